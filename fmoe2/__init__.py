@@ -1,0 +1,24 @@
+"""fmoe2: a two-launch, zero-workspace fused Mixture-of-Experts forward pass in Triton.
+
+* :func:`moe_sorting` - routing -> expert-major tiles, zeroing the output in the same launch;
+* :func:`fused_moe` - sort + one fused kernel (gate+up GEMM, activation, routing weight,
+  down GEMM with atomic adds);
+* :func:`prepare_weights` - one-time conversion of expert weights to the prepared layout;
+* :mod:`fmoe2.reference` - pure-torch references of both ops.
+"""
+from .gemm import FusedMoEConfig, PreparedMoEWeights, fused_moe, get_config, prepare_weights
+from .reference import fused_moe_reference, moe_sorting_reference
+from .sorting import MoESortingResult, moe_sorting
+
+__version__ = "0.1.0"
+__all__ = [
+    "fused_moe",
+    "moe_sorting",
+    "prepare_weights",
+    "PreparedMoEWeights",
+    "MoESortingResult",
+    "FusedMoEConfig",
+    "get_config",
+    "fused_moe_reference",
+    "moe_sorting_reference",
+]

@@ -1,0 +1,82 @@
+"""Host-side argument checks shared by the public ops.
+
+Every check runs before any kernel is launched and raises ``TypeError`` (wrong type or dtype)
+or ``ValueError`` (wrong shape, device, layout or value) naming the argument. None of them
+reads device memory, so they are CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return "/".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: Optional[int] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    shape_doc: str = "",
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Checks one tensor argument; ``shape`` entries of ``None`` match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {t.dtype}")
+    expect = shape_doc or (f"{ndim}-D" if ndim is not None else "")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {expect}, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            raise ValueError(f"{name} must have shape {expect}, got {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {t.stride()}")
+    return t
+
+
+def check_same_device(reference_name: str, reference: torch.Tensor, **others) -> None:
+    """All named tensors on ``reference``'s device, and that device usable by the kernels."""
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
+    dev = reference.device
+    if dev.type == "cpu" and not interpreter_enabled():
+        raise ValueError(
+            f"{reference_name} is on the CPU: fmoe2 kernels need a CUDA or ROCm GPU tensor; to run them on "
+            "the CPU set TRITON_INTERPRET=1 in the environment before importing fmoe2"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{reference_name} is on {dev}; fmoe2 supports CUDA/ROCm devices ('cuda')")
+
+
+def check_positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def check_no_overlap(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """Refuses an output that shares memory with an input it would clobber."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size()
+    b1 = b0 + b.numel() * b.element_size()
+    if a.numel() and b.numel() and a0 < b1 and b0 < a1:
+        raise ValueError(f"{name_a} overlaps {name_b} in memory; fmoe2 zeroes {name_a} before reading {name_b}")

@@ -1,0 +1,134 @@
+"""Kernel configs are data: JSON files under ``configs/``; :func:`get_config` is the one picker.
+
+Lookup order:
+
+1. a tuned file ``configs/<device>/E=<E>,H=<H>,I=<I>,topk=<topk>,dtype=<dtype>.json`` mapping
+   batch sizes to configs (``{"1": {...}, "16": {...}}``); the nearest batch size wins;
+2. otherwise ``configs/defaults.json``: per backend (``cuda``/``hip``, plus ``gfx950`` where it
+   differs), a list of rules ordered by ``max_tokens_per_expert``; the first rule with
+   ``M*topk/E <= max_tokens_per_expert`` wins.
+
+Block sizes are then clamped to the problem (a block never exceeds the next power of two of the
+dimension it tiles, and never goes under 16, the smallest matrix-instruction size).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Dict, Optional
+
+import torch
+import triton
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+HIP_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Tiling of the fused kernel (and BLOCK_M of the sort)."""
+
+    BLOCK_M: int  # sorted rows per tile (one expert per tile)
+    BLOCK_N: int  # intermediate-dimension slice owned by one program
+    BLOCK_K: int  # hidden-dimension step of the gate+up GEMM
+    BLOCK_H: int  # hidden-dimension chunk of the down GEMM (one atomic tile)
+    GROUP_M: int = 1  # tiles whose slices are launched together (1: slice fastest)
+    num_warps: int = 4
+    num_stages: int = 3
+    # ROCm only (ignored on CUDA, never passed to a CUDA launch):
+    waves_per_eu: Optional[int] = None
+    matrix_instr_nonkdim: Optional[int] = None
+    kpack: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_H"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"config {name} must be a power of two >= 16, got {v!r}")
+        if self.GROUP_M < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"config GROUP_M, num_warps and num_stages must be >= 1: {self}")
+
+    def launch_options(self, backend: str) -> Dict[str, int]:
+        """Keyword options for the Triton launch on ``backend`` ("cuda" or "hip")."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if backend == "hip":
+            opts.update({k: getattr(self, k) for k in HIP_ONLY_OPTIONS if getattr(self, k) is not None})
+        return opts
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FusedMoEConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known - {"max_tokens_per_expert"}
+        if unknown:
+            raise ValueError(f"unknown config keys {sorted(unknown)}; expected {sorted(known)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def current_backend() -> str:
+    """"hip" on ROCm builds of torch, else "cuda" (also used under the CPU interpreter)."""
+    return "hip" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def device_config_name(device: Optional[torch.device] = None) -> str:
+    """File-system-safe GPU name, e.g. ``NVIDIA_H100_80GB_HBM3``; ``cpu`` without a GPU."""
+    if device is not None and torch.device(device).type == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
+
+
+def shape_file_name(E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> str:
+    return f"E={E},H={H},I={I},topk={topk},dtype={str(dtype).replace('torch.', '')}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_json(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _arch_key(device) -> Optional[str]:
+    if current_backend() != "hip" or not torch.cuda.is_available():
+        return None
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+    return arch.split(":")[0] or None
+
+
+def _clamp(cfg: FusedMoEConfig, H: int, I: int) -> FusedMoEConfig:
+    def cap(block, dim):
+        return max(16, min(block, triton.next_power_of_2(dim)))
+
+    return replace(cfg, BLOCK_N=cap(cfg.BLOCK_N, I), BLOCK_K=cap(cfg.BLOCK_K, H), BLOCK_H=cap(cfg.BLOCK_H, H))
+
+
+def get_config(
+    M: int,
+    E: int,
+    H: int,
+    I: int,
+    topk: int,
+    dtype: torch.dtype,
+    *,
+    device: Optional[torch.device] = None,
+    backend: Optional[str] = None,
+    config_dir: str = CONFIG_DIR,
+) -> FusedMoEConfig:
+    """Picks the fused-kernel config for one problem (see the module docstring)."""
+    backend = backend or current_backend()
+    tuned = _load_json(os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
+    if tuned:
+        nearest = min(tuned, key=lambda m: (abs(int(m) - M), int(m)))
+        return _clamp(FusedMoEConfig.from_dict(tuned[nearest]), H, I)
+
+    defaults = _load_json(os.path.join(config_dir, "defaults.json"))
+    rules = defaults.get(_arch_key(device) or "", None) or defaults[backend]
+    tokens_per_expert = M * topk / E
+    rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])
+    return _clamp(FusedMoEConfig.from_dict(rule), H, I)

@@ -1,0 +1,152 @@
+"""Public ``fused_moe``: argument checks, config pick, then exactly two launches (sort, fused GEMM)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import triton
+
+from .._validation import FLOAT_DTYPES, ID_DTYPES, check_no_overlap, check_same_device, check_tensor
+from ..reference import ACTIVATIONS
+from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
+from .config import FusedMoEConfig, current_backend, get_config
+from .fused_moe_kernel import _fused_moe_kernel
+from .layout import PreparedMoEWeights
+
+
+@dataclass
+class MoEProblem:
+    """Checked views of the arguments of one ``fused_moe`` call."""
+
+    x: torch.Tensor  # [M, H]
+    w1: torch.Tensor  # plain [E, 2I, H] or interleaved [E, 2*I_pad, H_pad]
+    w2: torch.Tensor  # [E, H(_pad), I(_pad)]
+    gate_up_interleaved: bool
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    topk: int
+
+
+def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config) -> MoEProblem:
+    """Validates every argument of :func:`fused_moe` on the host; raises TypeError/ValueError."""
+    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
+    M, H = hidden_states.shape
+    dtype = hidden_states.dtype
+    if isinstance(w1, PreparedMoEWeights):
+        if w2 is not None:
+            raise ValueError("w2 must be None when w1 is a PreparedMoEWeights (it already holds the down weights)")
+        if w1.dtype != dtype:
+            raise TypeError(f"prepared weights have dtype {w1.dtype} but hidden_states has {dtype}")
+        if w1.hidden_size != H:
+            raise ValueError(f"prepared weights have hidden size {w1.hidden_size} but hidden_states has H={H}")
+        E, inter = w1.num_experts, w1.intermediate_size
+        w1_t, w2_t, interleaved = w1.w13, w1.w2, True
+        check_tensor("w1.w13", w1_t, ndim=3, dtypes=(dtype,))
+        check_tensor("w1.w2", w2_t, ndim=3, dtypes=(dtype,))
+    else:
+        check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]")
+        if w1.dtype != dtype:
+            raise TypeError(f"w1 must have the dtype of hidden_states ({dtype}), got {w1.dtype}")
+        E, two_i, w1_h = w1.shape
+        if two_i % 2 or w1_h != H:
+            raise ValueError(f"w1 must have shape [E, 2I, H] with H={H} (gate rows then up rows), got {tuple(w1.shape)}")
+        inter = two_i // 2
+        check_tensor("w2", w2, dtypes=(dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]")
+        w1_t, w2_t, interleaved = w1, w2, False
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc=f"[M, topk] with M={M}")
+    if topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must have shape [M, topk] with M={M} and topk >= 1, got {tuple(topk_ids.shape)}")
+    topk = topk_ids.shape[1]
+    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(M, topk),
+                 shape_doc=f"[M, topk] = [{M}, {topk}] like topk_ids")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), shape_doc="[num_global_experts]")
+    if out is not None:
+        check_tensor("out", out, dtypes=(dtype,), shape=(M, H), shape_doc=f"[M, H] = [{M}, {H}]")
+        check_no_overlap("out", out, "hidden_states", hidden_states)
+    if config is not None and not isinstance(config, FusedMoEConfig):
+        raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
+    check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
+                      topk_ids=topk_ids, expert_map=expert_map, out=out)
+    return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk)
+
+
+def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
+                        config: FusedMoEConfig, backend: str):
+    """Grid, arguments and options of the fused kernel (shared by the launcher and ``fmoe2.codegen``)."""
+    num_entries = problem.x.shape[0] * problem.topk
+    num_grid_tiles = min(max_busy_tiles(num_entries, problem.num_experts, config.BLOCK_M),
+                         sorting.sorted_expert_ids.numel())
+    grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
+    args = dict(
+        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out,
+        sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_weights_ptr=sorting.sorted_weights,
+        sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
+        num_tokens=problem.x.shape[0], H=problem.hidden_size, I=problem.intermediate_size,
+        num_grid_tiles=num_grid_tiles,
+        stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
+        stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1), stride_out_m=out.stride(0),
+    )
+    constexprs = dict(
+        ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
+        GROUP_M=config.GROUP_M,
+        DOT_PRECISION="ieee" if problem.x.dtype == torch.float32 else "tf32",
+    )
+    return grid, args, constexprs, config.launch_options(backend)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: Union[torch.Tensor, PreparedMoEWeights],
+    w2: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    out: Optional[torch.Tensor] = None,
+    expert_map: Optional[torch.Tensor] = None,
+    config: Optional[FusedMoEConfig] = None,
+) -> torch.Tensor:
+    """MoE forward in two launches and no intermediate buffer.
+
+    ``out[t] = sum_k topk_weights[t,k] * (act(x_t Wg_e^T) * (x_t Wu_e^T)) Wd_e^T``, ``e = topk_ids[t,k]``.
+
+    Args:
+        hidden_states: ``[M, H]`` bf16 or fp16 (fp32 is accepted too, mainly for testing).
+        w1: ``[E, 2I, H]`` gate rows then up rows, same dtype; or a :class:`PreparedMoEWeights`
+            from :func:`fmoe2.prepare_weights` (then ``w2`` must be None).
+        w2: ``[E, H, I]`` down weights, same dtype.
+        topk_weights: ``[M, topk]`` float32 (bf16/fp16 accepted) routing weights.
+        topk_ids: ``[M, topk]`` int32/int64 expert ids (global ids when ``expert_map`` is given).
+        activation: ``"silu"`` (SwiGLU), ``"gelu"`` (erf GeGLU) or ``"gelu_tanh"`` (tanh GeGLU).
+        out: optional ``[M, H]`` output in the input dtype; it is overwritten (zeroed by the sort).
+        expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1; tokens
+            routed to other ranks' experts contribute nothing (their rows may stay zero).
+        config: optional :class:`FusedMoEConfig` overriding :func:`fmoe2.get_config`.
+
+    Returns:
+        ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
+
+    Gate/up accumulate in fp32; the activated intermediate is rounded to the input dtype before
+    the down GEMM and partial results are added into ``out`` in the input dtype. With fp16,
+    values beyond 65504 in the intermediate or the output become inf: prefer bf16.
+    No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
+    """
+    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config)
+    M, H = hidden_states.shape
+    if out is None:
+        out = torch.empty_like(hidden_states)
+    if M == 0:
+        return out
+    config = config or get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk,
+                                  hidden_states.dtype, device=hidden_states.device)
+    sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
+    launch_moe_sorting(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out)
+    grid, args, constexprs, options = fused_kernel_launch(problem, out, sorting, activation, config, current_backend())
+    _fused_moe_kernel[grid](**args, **constexprs, **options)
+    return out

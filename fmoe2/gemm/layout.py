@@ -1,0 +1,86 @@
+"""Pre-shuffled expert weights, converted once at load time.
+
+Plain layout (vLLM/SGLang convention): ``w1 [E, 2I, H]`` (rows ``0..I-1`` gate, ``I..2I-1`` up)
+and ``w2 [E, H, I]``.
+
+Prepared layout (:class:`PreparedMoEWeights`), both padded with zeros to ``pad_to`` elements
+(default 64, i.e. 128-byte rows in bf16/fp16):
+
+* ``w13 [E, 2*I_pad, H_pad]``: gate and up rows **interleaved**, row ``2j`` is gate row ``j``
+  and row ``2j+1`` is up row ``j``. An intermediate slice ``[n0, n0+BLOCK_N)`` is then one
+  contiguous block of ``2*BLOCK_N`` rows, so the kernel loads one ``[2*BLOCK_N, BLOCK_K]`` tile
+  per K step and issues one matrix product of width ``2*BLOCK_N``; the gate/up split afterwards
+  pairs neighbouring accumulator columns, which the matrix-instruction layouts keep in the same
+  thread (no data movement).
+* ``w2 [E, H_pad, I_pad]``: the plain layout, padded.
+
+Padding makes every row start 16-byte aligned whatever H and I are, so tile loads stay
+vectorised for odd sizes. Padding is zero and the kernel masks by the logical H and I, so the
+result is the same as with the plain layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+
+from .._validation import FLOAT_DTYPES, check_tensor
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclass
+class PreparedMoEWeights:
+    """Expert weights in fmoe2's prepared layout (see module docstring)."""
+
+    w13: torch.Tensor  # [E, 2*I_pad, H_pad], gate/up rows interleaved, zero padded
+    w2: torch.Tensor  # [E, H_pad, I_pad], zero padded
+    hidden_size: int  # H (logical)
+    intermediate_size: int  # I (logical)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w13.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def unprepare(self):
+        """Returns ``(w1 [E, 2I, H], w2 [E, H, I])`` in the plain layout (for references/tests)."""
+        H, inter = self.hidden_size, self.intermediate_size
+        gate_up = rearrange(self.w13, "e (i two) h -> e two i h", two=2)[:, :, :inter, :H]
+        w1 = rearrange(gate_up, "e two i h -> e (two i) h").contiguous()
+        return w1, self.w2[:, :H, :inter].contiguous()
+
+
+def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64) -> PreparedMoEWeights:
+    """Converts plain ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` to the prepared layout.
+
+    Call once at load time; it allocates new tensors of (padded) weight size on the same device.
+    """
+    check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]")
+    E, two_i, H = w1.shape
+    if two_i % 2:
+        raise ValueError(f"w1 must have shape [E, 2I, H] (gate rows then up rows), got {tuple(w1.shape)}")
+    inter = two_i // 2
+    check_tensor("w2", w2, dtypes=(w1.dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]")
+    if w2.device != w1.device:
+        raise ValueError(f"w2 is on {w2.device} but w1 is on {w1.device}")
+    if pad_to < 1:
+        raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+    h_pad, i_pad = _round_up(H, pad_to), _round_up(inter, pad_to)
+
+    w13 = w1.new_zeros(E, 2, i_pad, h_pad)
+    w13[:, :, :inter, :H] = rearrange(w1, "e (two i) h -> e two i h", two=2)
+    w13 = rearrange(w13, "e two i h -> e (i two) h").contiguous()
+    w2p = w2.new_zeros(E, h_pad, i_pad)
+    w2p[:, :H, :inter] = w2
+    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter)

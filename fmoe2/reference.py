@@ -1,0 +1,107 @@
+"""Pure-torch references for the fmoe2 ops, used by the tests and the benchmark.
+
+They run on any device, take the same arguments as the kernels and favour clarity over speed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def apply_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate)`` for the gated MLP: silu (SwiGLU), gelu (erf GeGLU), gelu_tanh (tanh GeGLU)."""
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "gelu":
+        return F.gelu(gate, approximate="none")
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def local_expert_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """Maps routing ids to local experts; -1 where the entry is dropped (other rank, or out of range)."""
+    ids = topk_ids.long()
+    if expert_map is not None:
+        in_range = (ids >= 0) & (ids < expert_map.numel())
+        ids = torch.where(in_range, expert_map.long()[ids.clamp(0, expert_map.numel() - 1)], -1)
+    return torch.where((ids >= 0) & (ids < num_experts), ids, -1)
+
+
+def moe_sorting_reference(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    expert_map: Optional[torch.Tensor] = None,
+) -> Tuple[Dict[int, List[Tuple[int, float]]], int]:
+    """Per local expert, the sorted list of (token, weight) routed to it, and the padded total.
+
+    This is what :func:`fmoe2.moe_sorting` must hold, independent of tile order.
+    """
+    ids = local_expert_ids(topk_ids, num_experts, expert_map).cpu()
+    weights = topk_weights.float().cpu()
+    per_expert: Dict[int, List[Tuple[int, float]]] = {e: [] for e in range(num_experts)}
+    M, topk = ids.shape
+    for t in range(M):
+        for k in range(topk):
+            e = int(ids[t, k])
+            if e >= 0:
+                per_expert[e].append((t, float(weights[t, k])))
+    total = sum(math.ceil(len(v) / block_m) * block_m for v in per_expert.values())
+    return per_expert, total
+
+
+def _unpack_weights(w1, w2):
+    from .gemm.layout import PreparedMoEWeights
+
+    if isinstance(w1, PreparedMoEWeights):
+        return w1.unprepare()
+    return w1, w2
+
+
+def fused_moe_reference(
+    hidden_states: torch.Tensor,
+    w1,
+    w2: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    out: Optional[torch.Tensor] = None,
+    expert_map: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``out[t] = sum_k w[t,k] * (act(x_t Wg_e^T) * (x_t Wu_e^T)) Wd_e^T`` with ``e = topk_ids[t,k]``.
+
+    Args match :func:`fmoe2.fused_moe` (``w1`` may be a :class:`fmoe2.PreparedMoEWeights`).
+    Computes in float32, or float64 when ``hidden_states`` is float64, and returns
+    ``[M, H]`` in ``hidden_states.dtype`` (written into ``out`` when given).
+    """
+    w1, w2 = _unpack_weights(w1, w2)
+    compute = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    x = hidden_states.to(compute)
+    E, two_i, _ = w1.shape
+    inter = two_i // 2
+    ids = local_expert_ids(topk_ids, E, expert_map)
+    result = torch.zeros_like(x)
+    for e in range(E):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        w1e = w1[e].to(compute)
+        gate = x[token] @ w1e[:inter].T
+        up = x[token] @ w1e[inter:].T
+        y = apply_activation(gate, activation) * up
+        contrib = (y @ w2[e].to(compute).T) * topk_weights[token, slot].to(compute)[:, None]
+        result.index_add_(0, token, contrib)
+    result = result.to(hidden_states.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result

@@ -1,0 +1,4 @@
+"""Routing -> expert-major tiles (one launch, also zeroes the output)."""
+from .moe_sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles, max_num_tokens_padded, moe_sorting
+
+__all__ = ["MoESortingResult", "moe_sorting", "launch_moe_sorting", "max_num_tokens_padded", "max_busy_tiles"]

@@ -1,0 +1,284 @@
+"""Sorting kernel: per-token routing -> expert-major tiles of BLOCK_M rows, in one launch.
+
+Contract (worked example, M=4 tokens, topk=2, E=4 experts, block_m=4)::
+
+    topk_ids     = [[2, 0], [2, 3], [0, 2], [2, 2]]      # token 3 picked expert 2 twice
+    topk_weights = [[.6, .4], [.7, .3], [.5, .5], [.9, .1]]
+
+    sorted_token_ids  = [0, 2, 4, 4,   0, 1, 2, 3,  3, 4, 4, 4,   1, 4, 4, 4,  <tail: 4 ...>]
+    sorted_weights    = [.4, .5, 0, 0, .6, .7, .5, .9, .1, 0, 0, 0, .3, 0, 0, 0, <tail: 0 ...>]
+    sorted_expert_ids = [0, 2, 2, 3, <tail: -1 ...>]
+    num_tokens_post_padded = [16],  num_sorted_tiles = [4]
+
+* ids are **actual token ids** (not token*topk+slot); padding id is M (here 4), weight 0;
+* experts appear in increasing order, each expert's entries in increasing (token, slot) order,
+  padded to a multiple of block_m; experts with no tokens get no tile (expert 1 above);
+* buffers are sized for the worst case, ``M*topk + E*(block_m-1)`` rounded up to block_m, so
+  shapes never depend on the routing (CUDA-graph safe); entries past
+  ``num_tokens_post_padded`` hold the padding id, tiles past ``num_sorted_tiles`` hold -1;
+* with ``expert_map`` (global id -> local id or -1), entries whose expert maps to -1 are
+  dropped and tiles carry local ids. Any id outside ``[0, E)`` after mapping (for example -1)
+  is dropped too.
+
+Design: program ``e < E`` owns expert ``e``. It builds the full expert histogram (to know where
+its region starts: the padded counts of experts ``< e``), then scans the routing again and
+scatters its own entries with a running prefix sum. Programs ``>= E`` zero the output buffer.
+Every program reads ``M*topk`` ids twice, which is far under the cost of the GEMM that follows
+and avoids a grid-wide barrier (Triton has none), keeping the sort to a single launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._validation import ID_DTYPES, FLOAT_DTYPES, check_positive_int, check_same_device, check_tensor
+
+# Output zeroing: elements per store and the most programs that zero (each loops).
+ZERO_BLOCK = 4096
+MAX_ZERO_PROGRAMS = 1024
+MAX_SCAN_BLOCK = 4096
+
+
+@dataclass
+class MoESortingResult:
+    """Device tensors produced by :func:`moe_sorting` (all on the routing tensors' device)."""
+
+    sorted_token_ids: torch.Tensor  # int32 [max_num_tokens_padded]: token id, padding = M
+    sorted_weights: torch.Tensor  # float32 [max_num_tokens_padded]: routing weight, padding = 0
+    sorted_expert_ids: torch.Tensor  # int32 [max_num_tokens_padded // block_m]: local expert per tile, -1 past the end
+    num_tokens_post_padded: torch.Tensor  # int32 [1]: rows in use (sum of padded expert counts)
+    num_sorted_tiles: torch.Tensor  # int32 [1]: tiles in use = num_tokens_post_padded // block_m
+    block_m: int  # rows per tile
+    num_tokens: int  # M, also the padding id
+
+    @classmethod
+    def allocate(cls, num_entries: int, num_experts: int, block_m: int, num_tokens: int, device) -> "MoESortingResult":
+        """Uninitialised worst-case buffers for ``num_entries = M*topk`` routing entries."""
+        max_padded = max_num_tokens_padded(num_entries, num_experts, block_m)
+        return cls(
+            sorted_token_ids=torch.empty(max_padded, dtype=torch.int32, device=device),
+            sorted_weights=torch.empty(max_padded, dtype=torch.float32, device=device),
+            sorted_expert_ids=torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
+            num_tokens_post_padded=torch.empty(1, dtype=torch.int32, device=device),
+            num_sorted_tiles=torch.empty(1, dtype=torch.int32, device=device),
+            block_m=block_m,
+            num_tokens=num_tokens,
+        )
+
+
+def max_num_tokens_padded(num_entries: int, num_experts: int, block_m: int) -> int:
+    """Worst-case sorted length: ``num_entries + E*(block_m-1)`` rounded up to ``block_m``."""
+    n = num_entries + num_experts * (block_m - 1)
+    return triton.cdiv(n, block_m) * block_m
+
+
+def max_busy_tiles(num_entries: int, num_experts: int, block_m: int) -> int:
+    """Most tiles any routing can fill: every tile holds >= 1 entry and only experts with
+    tokens get tiles, so at most ``(entries + min(E, entries)*(block_m-1)) // block_m``."""
+    busy_experts = min(num_experts, num_entries)
+    return (num_entries + busy_experts * (block_m - 1)) // block_m
+
+
+@triton.jit
+def _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, valid, num_global_experts,
+                         NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr):
+    """Local expert id of each routing entry; NUM_EXPERTS (a spare histogram bin) if dropped."""
+    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    if HAS_EXPERT_MAP:
+        in_range = valid & (ids >= 0) & (ids < num_global_experts)
+        ids = tl.load(expert_map_ptr + ids, mask=in_range, other=-1)
+    keep = valid & (ids >= 0) & (ids < NUM_EXPERTS)
+    return tl.where(keep, ids, NUM_EXPERTS)
+
+
+@triton.jit
+def _moe_sorting_kernel(
+    topk_ids_ptr,  # [M * TOPK] int32/int64, row-major [M, TOPK]
+    topk_weights_ptr,  # [M * TOPK] float
+    expert_map_ptr,  # [num_global_experts] int32 (read only if HAS_EXPERT_MAP)
+    sorted_token_ids_ptr,  # [max_num_padded] int32
+    sorted_weights_ptr,  # [max_num_padded] float32
+    sorted_expert_ids_ptr,  # [max_num_padded // BLOCK_M] int32
+    num_tokens_post_padded_ptr,  # [1] int32
+    num_sorted_tiles_ptr,  # [1] int32
+    out_ptr,  # [out_numel] any dtype, zeroed when ZERO_OUT
+    num_tokens,  # M (also the padding id)
+    num_entries,  # M * TOPK
+    num_global_experts,
+    max_num_padded,
+    out_numel,
+    # meta-parameters
+    TOPK: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_BINS: tl.constexpr,  # power of two > NUM_EXPERTS (the last bins collect dropped entries)
+    BLOCK_M: tl.constexpr,
+    SCAN_BLOCK: tl.constexpr,  # routing entries per step
+    HAS_EXPERT_MAP: tl.constexpr,
+    ZERO_OUT: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
+    NUM_ZERO_PROGRAMS: tl.constexpr,
+):
+    """Grid: (NUM_EXPERTS + NUM_ZERO_PROGRAMS,). Program e < NUM_EXPERTS sorts expert e;
+    the rest zero ``out``."""
+    pid = tl.program_id(0)
+    if pid >= NUM_EXPERTS:
+        if ZERO_OUT:
+            zero_offs = tl.arange(0, ZERO_BLOCK)
+            zeros = tl.zeros([ZERO_BLOCK], dtype=out_ptr.dtype.element_ty)
+            first = (pid - NUM_EXPERTS).to(tl.int64) * ZERO_BLOCK
+            for start in range(first, out_numel, NUM_ZERO_PROGRAMS * ZERO_BLOCK):
+                offs = start + zero_offs
+                tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
+        return
+
+    expert = pid
+    bins = tl.arange(0, NUM_BINS)
+    scan = tl.arange(0, SCAN_BLOCK)
+
+    # Pass 1: histogram of all experts -> where this expert's region starts.
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(0, num_entries, SCAN_BLOCK):
+        offs = start + scan
+        ids = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
+                                   num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
+        counts += tl.histogram(ids, NUM_BINS)
+    padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    region_start = tl.sum(tl.where(bins < expert, padded, 0), axis=0)
+    my_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+    my_padded = tl.sum(tl.where(bins == expert, padded, 0), axis=0)
+    total_padded = tl.sum(padded, axis=0)
+
+    # Pass 2: scatter this expert's entries in (token, slot) order.
+    if my_count > 0:
+        rank_base = region_start
+        for start in range(0, num_entries, SCAN_BLOCK):
+            offs = start + scan
+            ids = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
+                                       num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
+            hit = ids == expert
+            hit_i32 = hit.to(tl.int32)
+            dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
+            weight = tl.load(topk_weights_ptr + offs, mask=hit, other=0.0).to(tl.float32)
+            tl.store(sorted_token_ids_ptr + dest, (offs // TOPK).to(tl.int32), mask=hit)
+            tl.store(sorted_weights_ptr + dest, weight, mask=hit)
+            rank_base += tl.sum(hit_i32, axis=0)
+
+        # Pad the expert's last tile, then label its tiles.
+        row = tl.arange(0, BLOCK_M)
+        pad_pos = region_start + my_count + row
+        pad_mask = pad_pos < region_start + my_padded
+        tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([BLOCK_M], dtype=tl.int32) + num_tokens, mask=pad_mask)
+        tl.store(sorted_weights_ptr + pad_pos, tl.zeros([BLOCK_M], dtype=tl.float32), mask=pad_mask)
+        first_tile = region_start // BLOCK_M
+        last_tile = (region_start + my_padded) // BLOCK_M
+        for t in range(first_tile, last_tile, SCAN_BLOCK):
+            tiles = t + scan
+            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + expert,
+                     mask=tiles < last_tile)
+
+    # Program 0 writes the counters and fills the unused tail of the worst-case buffers.
+    if expert == 0:
+        tl.store(num_tokens_post_padded_ptr, total_padded)
+        tl.store(num_sorted_tiles_ptr, total_padded // BLOCK_M)
+        for start in range(total_padded, max_num_padded, SCAN_BLOCK):
+            offs = start + scan
+            tail = offs < max_num_padded
+            tl.store(sorted_token_ids_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + num_tokens, mask=tail)
+            tl.store(sorted_weights_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.float32), mask=tail)
+        max_tiles = max_num_padded // BLOCK_M
+        for t in range(total_padded // BLOCK_M, max_tiles, SCAN_BLOCK):
+            tiles = t + scan
+            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([SCAN_BLOCK], dtype=tl.int32) - 1,
+                     mask=tiles < max_tiles)
+
+
+def _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map):
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc="[M, topk]")
+    M, topk = topk_ids.shape
+    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(M, topk),
+                 shape_doc=f"[M, topk] = [{M}, {topk}] like topk_ids")
+    check_positive_int("num_experts", num_experts)
+    check_positive_int("block_m", block_m)
+    if topk < 1:
+        raise ValueError(f"topk_ids must have at least one column (topk >= 1), got shape {tuple(topk_ids.shape)}")
+    if block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), shape_doc="[num_global_experts]")
+        if expert_map.numel() < 1:
+            raise ValueError("expert_map must have at least one entry")
+    if out is not None:
+        check_tensor("out", out, dtypes=None)
+    check_same_device("topk_ids", topk_ids, topk_weights=topk_weights, expert_map=expert_map, out=out)
+
+
+def moe_sorting(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    out: Optional[torch.Tensor] = None,
+    expert_map: Optional[torch.Tensor] = None,
+) -> MoESortingResult:
+    """Sorts routing into expert-major tiles and zeroes ``out``, in one kernel launch.
+
+    Args:
+        topk_ids: int32/int64 ``[M, topk]``, expert per (token, slot); global ids if ``expert_map``.
+        topk_weights: float32 (or bf16/fp16) ``[M, topk]`` routing weights.
+        num_experts: E, the number of (local) experts, i.e. ``w1.shape[0]``.
+        block_m: rows per tile (a power of two), the fused kernel's BLOCK_M.
+        out: optional contiguous tensor of any dtype, set to zero by the same launch.
+        expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1 (dropped).
+
+    Returns:
+        :class:`MoESortingResult`; see the module docstring for the exact contract.
+    """
+    _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
+    M, topk = topk_ids.shape
+    result = MoESortingResult.allocate(M * topk, num_experts, block_m, M, topk_ids.device)
+    launch_moe_sorting(topk_ids, topk_weights, num_experts, expert_map, result, out)
+    return result
+
+
+def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out) -> None:
+    """Launches the sorting kernel into the preallocated ``result`` buffers.
+
+    Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
+    """
+    M, topk = topk_ids.shape
+    num_entries = M * topk
+    out_numel = out.numel() if out is not None else 0
+    num_zero_programs = min(triton.cdiv(out_numel, ZERO_BLOCK), MAX_ZERO_PROGRAMS)
+    scan_block = min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK)
+    grid = (num_experts + num_zero_programs,)
+    _moe_sorting_kernel[grid](
+        topk_ids,
+        topk_weights,
+        expert_map if expert_map is not None else result.sorted_expert_ids,
+        result.sorted_token_ids,
+        result.sorted_weights,
+        result.sorted_expert_ids,
+        result.num_tokens_post_padded,
+        result.num_sorted_tiles,
+        out if out is not None else result.sorted_weights,
+        M,
+        num_entries,
+        expert_map.numel() if expert_map is not None else num_experts,
+        result.sorted_token_ids.numel(),
+        out_numel,
+        TOPK=topk,
+        NUM_EXPERTS=num_experts,
+        NUM_BINS=triton.next_power_of_2(num_experts + 1),
+        BLOCK_M=result.block_m,
+        SCAN_BLOCK=scan_block,
+        HAS_EXPERT_MAP=expert_map is not None,
+        ZERO_OUT=num_zero_programs > 0,
+        ZERO_BLOCK=ZERO_BLOCK,
+        NUM_ZERO_PROGRAMS=max(num_zero_programs, 1),
+        num_warps=4,
+    )
