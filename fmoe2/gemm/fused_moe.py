@@ -95,7 +95,6 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
         GROUP_M=config.GROUP_M,
-        DOT_PRECISION="ieee" if problem.x.dtype == torch.float32 else "tf32",
     )
     return grid, args, constexprs, config.launch_options(backend)
 

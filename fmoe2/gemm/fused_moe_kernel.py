@@ -60,9 +60,12 @@ def _fused_moe_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     GROUP_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact), ignored for 16-bit inputs
 ):
-    """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` exit at once."""
+    """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` exit at once.
+
+    Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and
+    no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
+    """
     pid = tl.program_id(0)
     num_slices = tl.cdiv(I, BLOCK_N)
     programs_per_group = GROUP_M * num_slices
@@ -98,7 +101,7 @@ def _fused_moe_kernel(
             k_valid = k < H
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             b = tl.load(w_rows + k[None, :], mask=r_valid[:, None] & k_valid[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
@@ -112,8 +115,8 @@ def _fused_moe_kernel(
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             bg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)
             bu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
-            gate = tl.dot(a, tl.trans(bg), gate, input_precision=DOT_PRECISION)
-            up = tl.dot(a, tl.trans(bu), up, input_precision=DOT_PRECISION)
+            gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
+            up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
 
     # The down GEMM is linear in y, so the routing weight is applied once here.
     y = _gated_activation(gate, up, ACTIVATION) * route_weight[:, None]
@@ -128,6 +131,6 @@ def _fused_moe_kernel(
         h_valid = offs_h < H
         w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :],
                     mask=h_valid[:, None] & n_valid[None, :], other=0.0)
-        partial = tl.dot(y, tl.trans(w), input_precision=DOT_PRECISION)
+        partial = tl.dot(y, tl.trans(w), input_precision="ieee")
         tl.atomic_add(out_rows + offs_h[None, :], partial.to(out_ptr.dtype.element_ty),
                       mask=row_valid[:, None] & h_valid[None, :], sem="relaxed")

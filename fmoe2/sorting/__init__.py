@@ -1,4 +1,11 @@
 """Routing -> expert-major tiles (one launch, also zeroes the output)."""
-from .moe_sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles, max_num_tokens_padded, moe_sorting
+from .moe_sorting import (
+    MoESortingResult,
+    launch_moe_sorting,
+    max_busy_tiles,
+    max_num_tokens_padded,
+    moe_sorting,
+    sorting_kernel_launch,
+)
 
-__all__ = ["MoESortingResult", "moe_sorting", "launch_moe_sorting", "max_num_tokens_padded", "max_busy_tiles"]
+__all__ = ["MoESortingResult", "moe_sorting", "launch_moe_sorting", "max_num_tokens_padded", "max_busy_tiles", "sorting_kernel_launch"]

@@ -40,7 +40,8 @@ from .._validation import ID_DTYPES, FLOAT_DTYPES, check_positive_int, check_sam
 # Output zeroing: elements per store and the most programs that zero (each loops).
 ZERO_BLOCK = 4096
 MAX_ZERO_PROGRAMS = 1024
-MAX_SCAN_BLOCK = 4096
+MAX_SCAN_BLOCK = 2048
+SORT_NUM_WARPS = 8
 
 
 @dataclass
@@ -245,40 +246,48 @@ def moe_sorting(
     return result
 
 
+def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out):
+    """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``)."""
+    M, topk = topk_ids.shape
+    num_entries = M * topk
+    out_numel = out.numel() if out is not None else 0
+    num_zero_programs = min(triton.cdiv(out_numel, ZERO_BLOCK), MAX_ZERO_PROGRAMS)
+    grid = (num_experts + num_zero_programs,)
+    args = dict(
+        topk_ids_ptr=topk_ids,
+        topk_weights_ptr=topk_weights,
+        # Unused pointers get a harmless stand-in (never dereferenced when the flag is off).
+        expert_map_ptr=expert_map if expert_map is not None else result.sorted_expert_ids,
+        sorted_token_ids_ptr=result.sorted_token_ids,
+        sorted_weights_ptr=result.sorted_weights,
+        sorted_expert_ids_ptr=result.sorted_expert_ids,
+        num_tokens_post_padded_ptr=result.num_tokens_post_padded,
+        num_sorted_tiles_ptr=result.num_sorted_tiles,
+        out_ptr=out if out is not None else result.sorted_weights,
+        num_tokens=M,
+        num_entries=num_entries,
+        num_global_experts=expert_map.numel() if expert_map is not None else num_experts,
+        max_num_padded=result.sorted_token_ids.numel(),
+        out_numel=out_numel,
+    )
+    constexprs = dict(
+        TOPK=topk,
+        NUM_EXPERTS=num_experts,
+        NUM_BINS=triton.next_power_of_2(num_experts + 1),
+        BLOCK_M=result.block_m,
+        SCAN_BLOCK=min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK),
+        HAS_EXPERT_MAP=expert_map is not None,
+        ZERO_OUT=num_zero_programs > 0,
+        ZERO_BLOCK=ZERO_BLOCK,
+        NUM_ZERO_PROGRAMS=max(num_zero_programs, 1),
+    )
+    return grid, args, constexprs, {"num_warps": SORT_NUM_WARPS}
+
+
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out) -> None:
     """Launches the sorting kernel into the preallocated ``result`` buffers.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
-    M, topk = topk_ids.shape
-    num_entries = M * topk
-    out_numel = out.numel() if out is not None else 0
-    num_zero_programs = min(triton.cdiv(out_numel, ZERO_BLOCK), MAX_ZERO_PROGRAMS)
-    scan_block = min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK)
-    grid = (num_experts + num_zero_programs,)
-    _moe_sorting_kernel[grid](
-        topk_ids,
-        topk_weights,
-        expert_map if expert_map is not None else result.sorted_expert_ids,
-        result.sorted_token_ids,
-        result.sorted_weights,
-        result.sorted_expert_ids,
-        result.num_tokens_post_padded,
-        result.num_sorted_tiles,
-        out if out is not None else result.sorted_weights,
-        M,
-        num_entries,
-        expert_map.numel() if expert_map is not None else num_experts,
-        result.sorted_token_ids.numel(),
-        out_numel,
-        TOPK=topk,
-        NUM_EXPERTS=num_experts,
-        NUM_BINS=triton.next_power_of_2(num_experts + 1),
-        BLOCK_M=result.block_m,
-        SCAN_BLOCK=scan_block,
-        HAS_EXPERT_MAP=expert_map is not None,
-        ZERO_OUT=num_zero_programs > 0,
-        ZERO_BLOCK=ZERO_BLOCK,
-        NUM_ZERO_PROGRAMS=max(num_zero_programs, 1),
-        num_warps=4,
-    )
+    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result, out)
+    _moe_sorting_kernel[grid](**args, **constexprs, **options)

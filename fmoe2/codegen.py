@@ -1,0 +1,222 @@
+"""Code-generation report: compile fmoe2's kernels for a GPU that is not there and read the code.
+
+    python -m fmoe2.codegen --target {sm_80,sm_90,gfx942,gfx950} [--shape E,H,I,topk] [--m 1,4096]
+
+For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
+AMD), spills, shared memory / LDS bytes, the matrix instructions found and the instructions the
+atomic adds into the output lower to (a CAS loop shows as ``cas_loop: true``). The fused kernel
+is compiled exactly as :func:`fmoe2.fused_moe` would launch it (same arguments, constexprs,
+options and the divisibility hints Triton's JIT derives), from meta tensors, so no GPU and no
+memory of real size is needed. This is how ROCm support is checked without an AMD GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .gemm.config import get_config
+from .gemm.fused_moe import MoEProblem, fused_kernel_launch
+from .gemm.fused_moe_kernel import _fused_moe_kernel
+from .gemm.layout import _round_up
+from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sorting_kernel_launch
+
+TARGETS = {
+    "sm_80": GPUTarget("cuda", 80, 32),
+    "sm_90": GPUTarget("cuda", 90, 32),
+    "sm_100": GPUTarget("cuda", 100, 32),
+    "gfx90a": GPUTarget("hip", "gfx90a", 64),
+    "gfx942": GPUTarget("hip", "gfx942", 64),
+    "gfx950": GPUTarget("hip", "gfx950", 64),
+}
+SHAPES = {
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "deepseek-v2-lite": (64, 2048, 1408, 6),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                 torch.int32: "i32", torch.int64: "i64"}
+
+
+def _signature(fn, args: dict, constexprs: dict, backend: str):
+    """Signature and attributes as Triton's JIT derives them from real arguments."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        v = args[name]
+        if isinstance(v, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[v.dtype]
+            hints = [["tt.divisibility", 16]]  # fresh allocations are 256-byte aligned
+            if backend == "hip" and v.numel() * v.element_size() <= 2**31 - 1:
+                hints.append(["tt.pointer_range", 32])  # what the JIT adds for buffer ops
+            attrs[(i,)] = hints
+        elif isinstance(v, bool):
+            signature[name] = "i1"
+        elif isinstance(v, int):
+            signature[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise TypeError(f"cannot type argument {name}={v!r}")
+    return signature, attrs
+
+
+def _tool(name: str) -> str:
+    import triton.backends.nvidia as nv
+
+    bundled = os.path.join(os.path.dirname(nv.__file__), "bin", name)
+    return bundled if os.path.exists(bundled) else (shutil.which(name) or name)
+
+
+def _opcode_counts(lines: List[str], pattern: str) -> Dict[str, int]:
+    counts = collections.Counter(m.group(0) for line in lines for m in [re.search(pattern, line)] if m)
+    return dict(sorted(counts.items()))
+
+
+def _report_cuda(compiled) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", cubin], capture_output=True, text=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True).stdout
+
+    def field(key):
+        m = re.search(rf"\b{key}:(\d+)", usage)
+        return int(m.group(1)) if m else None
+
+    lines = [ln.split(";")[0] for ln in sass.splitlines() if "/*" in ln]
+    matrix = _opcode_counts(lines, r"\b(HGMMA|HMMA|IMMA|QGMMA|UTCHMMA|UTCQMMA)[.\w]*")
+    atomics = _opcode_counts(lines, r"\b(ATOMG|REDG|RED|ATOM)\.[.\w]*")
+    local_ops = _opcode_counts(lines, r"\b(LDL|STL)\b")
+    return {
+        "registers": field("REG"),
+        "local_memory_bytes": field("LOCAL"),  # per thread: spills and stack arrays
+        "stack_bytes": field("STACK"),
+        "spill_instructions": sum(local_ops.values()),  # LDL/STL in the SASS
+        "shared_memory_bytes": compiled.metadata.shared,
+        "matrix_instructions": matrix,
+        "wgmma": any(k.startswith(("HGMMA", "QGMMA")) for k in matrix),
+        "atomic_instructions": atomics,
+        "cas_loop": any(".CAS" in k for k in atomics),
+    }
+
+
+def _report_hip(compiled) -> dict:
+    gcn = compiled.asm["amdgcn"]
+
+    def meta(key):
+        m = re.search(rf"\.{key}:\s+(\d+)", gcn)
+        return int(m.group(1)) if m else None
+
+    lines = [ln.strip() for ln in gcn.splitlines() if not ln.strip().startswith((";", "."))]
+    atomics = _opcode_counts(lines, r"^(global|buffer|flat)_atomic_\w+")
+    matrix = _opcode_counts(lines, r"^v_mfma_\w+")
+    return {
+        "vgprs": meta("vgpr_count"),
+        "agprs": meta("agpr_count"),
+        "sgprs": meta("sgpr_count"),
+        "vgpr_spills": meta("vgpr_spill_count"),
+        "sgpr_spills": meta("sgpr_spill_count"),
+        "scratch_bytes": meta("private_segment_fixed_size"),
+        "lds_bytes": compiled.metadata.shared,
+        "matrix_instructions": matrix,
+        "mfma": bool(matrix),
+        "atomic_instructions": atomics,
+        "cas_loop": any("cmpswap" in k for k in atomics),
+    }
+
+
+def _compile(fn, grid, args, constexprs, options, target: GPUTarget) -> dict:
+    signature, attrs = _signature(fn, args, constexprs, target.backend)
+    t0 = time.time()
+    src = ASTSource(fn=fn, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+    compiled = triton.compile(src, target=target, options=dict(options))
+    report = {"compile_seconds": round(time.time() - t0, 2), "grid": list(grid),
+              "num_warps": options.get("num_warps"), "num_stages": options.get("num_stages")}
+    report.update(_report_cuda(compiled) if target.backend == "cuda" else _report_hip(compiled))
+    return report
+
+
+def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
+                   prepared: bool = True, activation: str = "silu") -> List[dict]:
+    """Compiles the sorting and fused kernels as ``fused_moe`` would launch them; one dict each."""
+    target = TARGETS[target_name]
+    backend = target.backend
+    E, H, inter, topk = shape
+    meta = dict(device="meta")
+    x = torch.empty(M, H, dtype=dtype, **meta)
+    if prepared:
+        h_pad, i_pad = _round_up(H, 64), _round_up(inter, 64)
+        w1 = torch.empty(E, 2 * i_pad, h_pad, dtype=dtype, **meta)
+        w2 = torch.empty(E, h_pad, i_pad, dtype=dtype, **meta)
+    else:
+        w1 = torch.empty(E, 2 * inter, H, dtype=dtype, **meta)
+        w2 = torch.empty(E, H, inter, dtype=dtype, **meta)
+    topk_ids = torch.empty(M, topk, dtype=torch.int32, **meta)
+    topk_weights = torch.empty(M, topk, dtype=torch.float32, **meta)
+    config = get_config(M, E, H, inter, topk, dtype, backend=backend,
+                        arch=target.arch if backend == "hip" else None)
+    problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
+    sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta")
+    common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
+              "dtype": str(dtype).replace("torch.", "")}
+    reports = []
+    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x)
+    reports.append({"kernel": "moe_sorting", **common,
+                    **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
+    grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, config, backend)
+    reports.append({"kernel": "fused_moe", **common, "prepared_weights": prepared, "config": config.to_dict(),
+                    **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+    return reports
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fmoe2.codegen", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, choices=sorted(TARGETS))
+    parser.add_argument("--shape", default="mixtral-8x7b",
+                        help=f"one of {sorted(SHAPES)} or E,H,I,topk (default mixtral-8x7b)")
+    parser.add_argument("--m", default="1,4096", help="comma-separated batch sizes (default 1,4096)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--activation", default="silu", choices=["silu", "gelu", "gelu_tanh"])
+    parser.add_argument("--plain", action="store_true", help="plain weight layout instead of prepared")
+    a = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
+    if a.shape in SHAPES:
+        shape = SHAPES[a.shape]
+    else:
+        try:
+            shape = tuple(int(v) for v in a.shape.split(","))
+            assert len(shape) == 4 and min(shape) >= 1
+        except (ValueError, AssertionError):
+            parser.error(f"--shape must be one of {sorted(SHAPES)} or four positive ints E,H,I,topk, got {a.shape!r}")
+    try:
+        ms = [int(m) for m in a.m.split(",")]
+    except ValueError:
+        parser.error(f"--m must be comma-separated ints, got {a.m!r}")
+    for M in ms:
+        for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation):
+            print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

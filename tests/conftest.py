@@ -1,0 +1,29 @@
+"""Test setup: without a GPU, kernels run under the Triton interpreter on the CPU.
+
+``TRITON_INTERPRET`` is read when kernels are decorated, so it is set here, before any test
+module imports fmoe2. Compile tests run ``python -m fmoe2.codegen`` in a child process with
+the variable removed.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from helpers import DEVICE  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA or ROCm GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return DEVICE

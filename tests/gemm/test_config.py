@@ -1,0 +1,43 @@
+"""Config picking: defaults by tokens per expert, tuned files by nearest batch, ROCm-only options."""
+import json
+
+import pytest
+import torch
+
+from fmoe2.gemm.config import FusedMoEConfig, device_config_name, get_config, shape_file_name
+
+
+def test_defaults_follow_tokens_per_expert_and_clamp():
+    small = get_config(1, 128, 2048, 768, 8, torch.bfloat16, backend="cuda")
+    large = get_config(16384, 8, 4096, 14336, 2, torch.bfloat16, backend="cuda")
+    assert small.BLOCK_M <= large.BLOCK_M and large.BLOCK_M >= 64
+    tiny = get_config(4, 4, 40, 24, 2, torch.float16, backend="cuda")
+    assert tiny.BLOCK_N <= 32 and tiny.BLOCK_K <= 64 and tiny.BLOCK_H <= 64
+
+
+def test_hip_options_only_on_hip():
+    cfg = get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="hip")
+    assert {"waves_per_eu", "matrix_instr_nonkdim"} <= set(cfg.launch_options("hip"))
+    assert set(get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="cuda").launch_options("cuda")) == \
+        {"num_warps", "num_stages"}
+    assert set(cfg.launch_options("cuda")) == {"num_warps", "num_stages"}
+    gfx950 = get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="hip", arch="gfx950")
+    assert gfx950.kpack is None  # kpack is a gfx942 knob
+
+
+def test_tuned_file_nearest_batch(tmp_path):
+    d = tmp_path / device_config_name(torch.device("cpu"))
+    d.mkdir()
+    entry = dict(BLOCK_N=64, BLOCK_K=64, BLOCK_H=64, num_warps=4, num_stages=2)
+    (d / shape_file_name(8, 4096, 14336, 2, torch.bfloat16)).write_text(json.dumps(
+        {"1": {"BLOCK_M": 16, **entry}, "128": {"BLOCK_M": 32, **entry}, "4096": {"BLOCK_M": 64, **entry}}))
+    pick = lambda M: get_config(M, 8, 4096, 14336, 2, torch.bfloat16, device=torch.device("cpu"),
+                                config_dir=str(tmp_path)).BLOCK_M
+    assert [pick(1), pick(60), pick(100), pick(3000), pick(65536)] == [16, 16, 32, 64, 64]
+
+
+def test_invalid_configs_are_refused():
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two >= 16"):
+        FusedMoEConfig(BLOCK_M=16, BLOCK_N=24, BLOCK_K=32, BLOCK_H=32)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        FusedMoEConfig.from_dict(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, BLOCK_Q=1))

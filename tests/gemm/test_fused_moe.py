@@ -1,0 +1,160 @@
+"""fused_moe against the float64 reference (CPU interpreter in fp16/fp32, or the GPU), edge
+cases, expert parallelism, prepared weights, configs and argument checks."""
+import pytest
+import torch
+
+import fmoe2
+from fmoe2 import FusedMoEConfig, fused_moe, prepare_weights
+from helpers import DEVICE, assert_matches_reference, make_problem, poisoned
+
+SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
+@pytest.mark.parametrize("M,E,H,I,topk", [
+    (1, 4, 64, 32, 2),
+    (7, 3, 40, 24, 3),  # H, I not multiples of 16, E not a power of two
+    (33, 5, 72, 56, 1),
+    (19, 10, 24, 20, 8),
+])
+def test_matches_reference(M, E, H, I, topk, dtype, prepared):
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=M + E)
+    out = poisoned(M, H, dtype)
+    weights = (prepare_weights(w1, w2), None) if prepared else (w1, w2)
+    result = fused_moe(x, *weights, tw, ti, out=out)
+    assert result is out
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_activations(activation):
+    x, w1, w2, tw, ti = make_problem(11, 4, 48, 40, 2, torch.float16, seed=5)
+    out = fused_moe(x, w1, w2, tw, ti, activation=activation)
+    assert_matches_reference(out, x, w1, w2, tw, ti, activation=activation)
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_every_topk(topk):
+    x, w1, w2, tw, ti = make_problem(9, 8, 32, 32, topk, torch.float16, seed=topk)
+    assert_matches_reference(fused_moe(x, w1, w2, tw, ti, out=poisoned(9, 32, torch.float16)), x, w1, w2, tw, ti)
+
+
+def test_all_tokens_on_one_expert_and_empty_experts():
+    M, E = 40, 6
+    ids = torch.full((M, 2), 2, dtype=torch.int64)
+    ids[:, 1] = 5  # experts 0, 1, 3, 4 get nothing
+    x, w1, w2, tw, ti = make_problem(M, E, 40, 48, 2, torch.float16, ids=ids, id_dtype=torch.int64)
+    out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, 40, torch.float16))
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+def test_tiles_span_several_blocks_and_slices():
+    # Many tiles per expert, several intermediate slices and hidden chunks, grouped launch order.
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_H=16, GROUP_M=3)
+    x, w1, w2, tw, ti = make_problem(70, 3, 50, 60, 2, torch.float16, seed=9)
+    out = fused_moe(x, w1, w2, tw, ti, config=cfg, out=poisoned(70, 50, torch.float16))
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+def test_expert_map_drops_other_ranks():
+    M, E_global, topk = 24, 8, 3
+    x, w1_all, w2_all, tw, ti = make_problem(M, E_global, 32, 32, topk, torch.float32, seed=4)
+    local = torch.tensor([1, 4, 6])
+    expert_map = torch.full((E_global,), -1, dtype=torch.int32)
+    expert_map[local] = torch.arange(len(local), dtype=torch.int32)
+    expert_map = expert_map.to(DEVICE)
+    w1, w2 = w1_all[local.to(DEVICE)].contiguous(), w2_all[local.to(DEVICE)].contiguous()
+    out = fused_moe(x, w1, w2, tw, ti, expert_map=expert_map, out=poisoned(M, 32, torch.float32))
+    assert_matches_reference(out, x, w1, w2, tw, ti, expert_map=expert_map)
+    # Same as the full model with the other experts' weights zeroed.
+    keep = torch.zeros(E_global, dtype=torch.bool)
+    keep[local] = True
+    masked = [w * keep.to(DEVICE)[:, None, None].to(w.dtype) for w in (w1_all, w2_all)]
+    ref_full = fmoe2.fused_moe_reference(x.double(), masked[0].double(), masked[1].double(), tw, ti)
+    assert torch.allclose(out.double(), ref_full, atol=1e-5)
+
+
+def test_tokens_of_other_ranks_only_give_zero_rows():
+    x, w1, w2, tw, ti = make_problem(5, 2, 32, 16, 1, torch.float16)
+    expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32, device=DEVICE)
+    ti = torch.tensor([[0], [1], [2], [0], [3]], dtype=torch.int32, device=DEVICE)
+    out = fused_moe(x, w1, w2, tw, ti, expert_map=expert_map, out=poisoned(5, 32, torch.float16))
+    assert (out[[0, 1, 3]] == 0).all()
+    assert_matches_reference(out, x, w1, w2, tw, ti, expert_map=expert_map)
+
+
+def test_plain_and_prepared_agree_and_config_override():
+    x, w1, w2, tw, ti = make_problem(21, 4, 48, 40, 2, torch.float32, seed=2)
+    a = fused_moe(x, w1, w2, tw, ti, config=SMALL)
+    b = fused_moe(x, prepare_weights(w1, w2), None, tw, ti)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_out_is_overwritten_not_accumulated():
+    x, w1, w2, tw, ti = make_problem(6, 3, 32, 16, 2, torch.float16)
+    out = torch.full((6, 32), 123.0, dtype=torch.float16, device=DEVICE)
+    fused_moe(x, w1, w2, tw, ti, out=out)
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+def test_zero_tokens():
+    x, w1, w2, tw, ti = make_problem(1, 3, 32, 16, 2, torch.float16)
+    out = fused_moe(x[:0], w1, w2, tw[:0], ti[:0])
+    assert out.shape == (0, 32)
+
+
+def test_fp16_overflow_is_visible_not_hidden():
+    # Documented caveat: fp16 cannot hold intermediates beyond 65504; the result shows inf/nan.
+    x, w1, w2, tw, ti = make_problem(4, 2, 32, 16, 1, torch.float16)
+    out = fused_moe(x * 300, w1 * 300, w2, tw, ti)
+    assert not torch.isfinite(out).all()
+
+
+def _args():
+    return make_problem(4, 3, 32, 16, 2, torch.float16)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: {**a, "x": a["x"].int()}, TypeError, "hidden_states must have dtype"),
+    (lambda a: {**a, "x": a["x"][None]}, ValueError, r"hidden_states must be \[M, H\]"),
+    (lambda a: {**a, "x": a["x"].t().contiguous().t()}, ValueError, "hidden_states must be contiguous"),
+    (lambda a: {**a, "w1": a["w1"].float()}, TypeError, "w1 must have the dtype of hidden_states"),
+    (lambda a: {**a, "w1": a["w1"][:, :, :16].contiguous()}, ValueError, r"w1 must have shape \[E, 2I, H\]"),
+    (lambda a: {**a, "w1": a["w1"][:, :31].contiguous()}, ValueError, r"w1 must have shape \[E, 2I, H\]"),
+    (lambda a: {**a, "w2": a["w2"][:2].contiguous()}, ValueError, r"w2 must have shape \[E, H, I\]"),
+    (lambda a: {**a, "w2": a["w2"].transpose(1, 2)}, ValueError, r"w2 must have shape"),
+    (lambda a: {**a, "ti": a["ti"].float()}, TypeError, "topk_ids must have dtype"),
+    (lambda a: {**a, "ti": a["ti"][:3]}, ValueError, r"topk_ids must have shape \[M, topk\]"),
+    (lambda a: {**a, "tw": a["tw"][:, :1].contiguous()}, ValueError, "topk_weights must have shape"),
+    (lambda a: {**a, "activation": "relu"}, ValueError, "activation must be one of"),
+    (lambda a: {**a, "out": torch.empty(4, 32, device=DEVICE)}, TypeError, "out must have dtype"),
+    (lambda a: {**a, "out": torch.empty(5, 32, dtype=torch.float16, device=DEVICE)}, ValueError,
+     r"out must have shape \[M, H\]"),
+    (lambda a: {**a, "out": a["x"]}, ValueError, "out overlaps hidden_states"),
+    (lambda a: {**a, "expert_map": torch.zeros(3, device=DEVICE)}, TypeError, "expert_map must have dtype"),
+    (lambda a: {**a, "config": {"BLOCK_M": 16}}, TypeError, "config must be a fmoe2.FusedMoEConfig"),
+    (lambda a: {**a, "w1": prepare_weights(a["w1"], a["w2"])}, ValueError, "w2 must be None"),
+])
+def test_bad_input_is_refused_before_launch(mutate, exc, match):
+    x, w1, w2, tw, ti = _args()
+    a = mutate(dict(x=x, w1=w1, w2=w2, tw=tw, ti=ti, activation="silu", out=None, expert_map=None, config=None))
+    with pytest.raises(exc, match=match):
+        fused_moe(a["x"], a["w1"], a["w2"], a["tw"], a["ti"], activation=a["activation"], out=a["out"],
+                  expert_map=a["expert_map"], config=a["config"])
+
+
+def test_prepared_weights_must_match_input():
+    x, w1, w2, tw, ti = _args()
+    with pytest.raises(TypeError, match="prepared weights have dtype"):
+        fused_moe(x.float(), prepare_weights(w1, w2), None, tw, ti)
+    with pytest.raises(ValueError, match="prepared weights have hidden size"):
+        fused_moe(x[:, :16].contiguous(), prepare_weights(w1, w2), None, tw, ti)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU-without-interpreter case")
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w1, w2, tw, ti = _args()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        fused_moe(x, w1, w2, tw, ti)

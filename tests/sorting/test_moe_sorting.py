@@ -1,0 +1,131 @@
+"""moe_sorting: exact contract, invariants against the reference, zeroing, expert_map, bad input."""
+import pytest
+import torch
+
+from fmoe2 import moe_sorting, moe_sorting_reference
+from fmoe2.sorting import max_num_tokens_padded
+from helpers import DEVICE
+
+
+def check_sorting(topk_ids, topk_weights, E, block_m, expert_map=None):
+    """Runs the kernel and checks every invariant of the contract; returns the result."""
+    M, topk = topk_ids.shape
+    res = moe_sorting(topk_ids, topk_weights, E, block_m, expert_map=expert_map)
+    expected, total = moe_sorting_reference(topk_ids, topk_weights, E, block_m, expert_map=expert_map)
+    ids, w = res.sorted_token_ids.cpu(), res.sorted_weights.cpu()
+    tiles = res.sorted_expert_ids.cpu()
+    length = max_num_tokens_padded(M * topk, E, block_m)
+    assert ids.numel() == length == w.numel() and tiles.numel() == length // block_m
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and tiles.dtype == torch.int32
+    assert res.num_tokens_post_padded.item() == total
+    assert res.num_sorted_tiles.item() == total // block_m
+    num_tiles = total // block_m
+    # Tiles: experts in increasing order, only experts with tokens, the right number of tiles each.
+    used = tiles[:num_tiles].tolist()
+    assert used == sorted(used)
+    for e in range(E):
+        assert used.count(e) == -(-len(expected[e]) // block_m), f"expert {e}"
+    # Per tile: real entries first, then padding (id M, weight 0); per expert: exact multiset, sorted.
+    got = {e: [] for e in range(E)}
+    for t in range(num_tiles):
+        row_ids = ids[t * block_m:(t + 1) * block_m].tolist()
+        row_w = w[t * block_m:(t + 1) * block_m].tolist()
+        for tok, wt in zip(row_ids, row_w):
+            if tok == M:
+                assert wt == 0.0
+            else:
+                assert 0 <= tok < M
+                got[used[t]].append((tok, wt))
+    for e in range(E):
+        assert [tok for tok, _ in got[e]] == sorted(tok for tok, _ in got[e]), f"expert {e} not in token order"
+        assert sorted(got[e]) == sorted(expected[e]), f"expert {e}: entries differ"
+    # Tail past the used region: padding ids, zero weights, tiles -1.
+    assert (ids[total:] == M).all() and (w[total:] == 0).all() and (tiles[num_tiles:] == -1).all()
+    return res
+
+
+def test_worked_example_from_docs():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 2]], dtype=torch.int32, device=DEVICE)
+    w = torch.tensor([[.6, .4], [.7, .3], [.5, .5], [.9, .1]], device=DEVICE)
+    res = moe_sorting(ids, w, 4, 4)
+    assert res.sorted_token_ids.tolist()[:16] == [0, 2, 4, 4, 0, 1, 2, 3, 3, 4, 4, 4, 1, 4, 4, 4]
+    assert res.sorted_expert_ids.tolist()[:4] == [0, 2, 2, 3]
+    assert torch.allclose(res.sorted_weights[:16].cpu(),
+                          torch.tensor([.4, .5, 0, 0, .6, .7, .5, .9, .1, 0, 0, 0, .3, 0, 0, 0]))
+    assert res.num_tokens_post_padded.item() == 16 and res.num_sorted_tiles.item() == 4
+
+
+@pytest.mark.parametrize("M,topk,E,block_m,id_dtype", [
+    (1, 1, 1, 16, torch.int32),
+    (1, 8, 8, 16, torch.int64),
+    (3, 2, 5, 16, torch.int32),
+    (97, 3, 7, 32, torch.int64),
+    (300, 8, 129, 16, torch.int32),
+    (1000, 2, 3, 64, torch.int32),
+    (5000, 1, 16, 128, torch.int32),
+])
+def test_random_routing(M, topk, E, block_m, id_dtype):
+    gen = torch.Generator().manual_seed(M * 31 + E)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]) if topk <= E else \
+        torch.randint(0, E, (M, topk), generator=gen)
+    w = torch.rand(M, topk, generator=gen)
+    check_sorting(ids.to(DEVICE, id_dtype), w.to(DEVICE), E, block_m)
+
+
+def test_all_tokens_on_one_expert_and_empty_experts():
+    M, topk, E = 200, 2, 9
+    ids = torch.full((M, topk), 4, dtype=torch.int32)
+    ids[:, 1] = 7
+    w = torch.rand(M, topk)
+    res = check_sorting(ids.to(DEVICE), w.to(DEVICE), E, 16)
+    assert set(res.sorted_expert_ids[:res.num_sorted_tiles.item()].tolist()) == {4, 7}
+
+
+def test_large_expert_count():
+    M, topk, E = 64, 8, 512
+    ids = torch.randint(0, E, (M, topk), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    check_sorting(ids.to(DEVICE), torch.rand(M, topk).to(DEVICE), E, 16)
+
+
+def test_expert_map_drops_other_ranks():
+    M, topk, E_global = 50, 4, 12
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(E_global, generator=gen)[:topk] for _ in range(M)]).int()
+    # This rank holds global experts 3, 4, 9 and 11 as local 0..3.
+    expert_map = torch.full((E_global,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([3, 4, 9, 11])] = torch.arange(4, dtype=torch.int32)
+    res = check_sorting(ids.to(DEVICE), torch.rand(M, topk).to(DEVICE), 4, 16, expert_map=expert_map.to(DEVICE))
+    local_entries = sum(int(expert_map[i] >= 0) for i in ids.flatten())
+    assert (res.sorted_token_ids[:res.num_tokens_post_padded.item()] < M).sum().item() == local_entries
+
+
+def test_negative_ids_are_dropped():
+    ids = torch.tensor([[0, -1], [-1, 1]], dtype=torch.int32, device=DEVICE)
+    res = check_sorting(ids, torch.rand(2, 2, device=DEVICE), 2, 16)
+    assert res.num_tokens_post_padded.item() == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_zeroes_out_in_the_same_launch(dtype):
+    out = torch.full((37, 4133), float("nan"), dtype=dtype, device=DEVICE)  # > one zeroing block, odd size
+    ids = torch.randint(0, 4, (37, 2), dtype=torch.int32, device=DEVICE)
+    moe_sorting(ids, torch.rand(37, 2, device=DEVICE), 4, 16, out=out)
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda i, w: moe_sorting(i.float(), w, 4, 16), TypeError, "topk_ids must have dtype"),
+    (lambda i, w: moe_sorting(i[0], w, 4, 16), ValueError, r"topk_ids must be \[M, topk\]"),
+    (lambda i, w: moe_sorting(i, w[:, :1], 4, 16), ValueError, "topk_weights must have shape"),
+    (lambda i, w: moe_sorting(i, w.int(), 4, 16), TypeError, "topk_weights must have dtype"),
+    (lambda i, w: moe_sorting(i, w, 0, 16), ValueError, "num_experts must be >= 1"),
+    (lambda i, w: moe_sorting(i, w, 4, 24), ValueError, "block_m must be a power of two"),
+    (lambda i, w: moe_sorting(i, w, 4, 16, expert_map=torch.zeros(4, dtype=torch.int64, device=DEVICE)),
+     TypeError, "expert_map must have dtype"),
+    (lambda i, w: moe_sorting(i.t(), w.t(), 4, 16), ValueError, "must be contiguous"),
+])
+def test_bad_input_is_refused_before_launch(call, exc, match):
+    ids = torch.zeros(5, 2, dtype=torch.int32, device=DEVICE)
+    w = torch.rand(5, 2, device=DEVICE)
+    with pytest.raises(exc, match=match):
+        call(ids, w)
