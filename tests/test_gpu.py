@@ -78,6 +78,7 @@ def test_cuda_graph_capture_and_replay(shape):
     M = 300
     x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=11)
     prepared = prepare_weights(w1, w2)
+    ref = reference32(x, w1, w2, tw, ti)
     eager = fused_moe(x, prepared, None, tw, ti)
     out = torch.empty_like(x)
     graph = torch.cuda.CUDAGraph()
@@ -86,7 +87,9 @@ def test_cuda_graph_capture_and_replay(shape):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_error(out, eager) <= 1e-2  # atomics add in a different order
+    # Atomics add in a run-dependent order, so graph and eager agree to rounding, not bitwise.
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) <= REL_TOL[torch.bfloat16] and rel_error(eager, ref) <= REL_TOL[torch.bfloat16]
     # New routing and activations in the same buffers: the graph must follow them.
     x2, _, _, tw2, ti2 = problem(shape, M, torch.bfloat16, seed=12)
     ti2[:M // 2] = ti2[0]  # skew: many tokens on few experts
