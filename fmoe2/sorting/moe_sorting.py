@@ -107,7 +107,7 @@ def _moe_sorting_kernel(
     num_tokens_post_padded_ptr,  # [1] int32
     num_sorted_tiles_ptr,  # [1] int32
     out_ptr,  # [out_numel] any dtype, zeroed when ZERO_OUT
-    num_tokens,  # M (also the padding id)
+    pad_id,  # id written into padding rows: M, or M * TOPK with EXPANDED_IDS
     num_entries,  # M * TOPK
     num_global_experts,
     max_num_padded,
@@ -119,6 +119,7 @@ def _moe_sorting_kernel(
     BLOCK_M: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,  # routing entries per step
     HAS_EXPERT_MAP: tl.constexpr,
+    EXPANDED_IDS: tl.constexpr,  # store token*TOPK+slot (vLLM's convention, for the baseline) instead of token
     ZERO_OUT: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
     NUM_ZERO_PROGRAMS: tl.constexpr,
@@ -164,7 +165,8 @@ def _moe_sorting_kernel(
             hit_i32 = hit.to(tl.int32)
             dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
             weight = tl.load(topk_weights_ptr + offs, mask=hit, other=0.0).to(tl.float32)
-            tl.store(sorted_token_ids_ptr + dest, (offs // TOPK).to(tl.int32), mask=hit)
+            entry_id = offs if EXPANDED_IDS else offs // TOPK
+            tl.store(sorted_token_ids_ptr + dest, entry_id.to(tl.int32), mask=hit)
             tl.store(sorted_weights_ptr + dest, weight, mask=hit)
             rank_base += tl.sum(hit_i32, axis=0)
 
@@ -172,7 +174,7 @@ def _moe_sorting_kernel(
         row = tl.arange(0, BLOCK_M)
         pad_pos = region_start + my_count + row
         pad_mask = pad_pos < region_start + my_padded
-        tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([BLOCK_M], dtype=tl.int32) + num_tokens, mask=pad_mask)
+        tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([BLOCK_M], dtype=tl.int32) + pad_id, mask=pad_mask)
         tl.store(sorted_weights_ptr + pad_pos, tl.zeros([BLOCK_M], dtype=tl.float32), mask=pad_mask)
         first_tile = region_start // BLOCK_M
         last_tile = (region_start + my_padded) // BLOCK_M
@@ -188,7 +190,7 @@ def _moe_sorting_kernel(
         for start in range(total_padded, max_num_padded, SCAN_BLOCK):
             offs = start + scan
             tail = offs < max_num_padded
-            tl.store(sorted_token_ids_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + num_tokens, mask=tail)
+            tl.store(sorted_token_ids_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
             tl.store(sorted_weights_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.float32), mask=tail)
         max_tiles = max_num_padded // BLOCK_M
         for t in range(total_padded // BLOCK_M, max_tiles, SCAN_BLOCK):
@@ -246,8 +248,13 @@ def moe_sorting(
     return result
 
 
-def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out):
-    """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``)."""
+def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
+                          expanded_ids: bool = False):
+    """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
+
+    ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
+    by the baseline in ``fmoe2.bench``; fmoe2 itself stores actual token ids.
+    """
     M, topk = topk_ids.shape
     num_entries = M * topk
     out_numel = out.numel() if out is not None else 0
@@ -264,7 +271,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         num_tokens_post_padded_ptr=result.num_tokens_post_padded,
         num_sorted_tiles_ptr=result.num_sorted_tiles,
         out_ptr=out if out is not None else result.sorted_weights,
-        num_tokens=M,
+        pad_id=num_entries if expanded_ids else M,
         num_entries=num_entries,
         num_global_experts=expert_map.numel() if expert_map is not None else num_experts,
         max_num_padded=result.sorted_token_ids.numel(),
@@ -277,6 +284,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         BLOCK_M=result.block_m,
         SCAN_BLOCK=min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK),
         HAS_EXPERT_MAP=expert_map is not None,
+        EXPANDED_IDS=expanded_ids,
         ZERO_OUT=num_zero_programs > 0,
         ZERO_BLOCK=ZERO_BLOCK,
         NUM_ZERO_PROGRAMS=max(num_zero_programs, 1),
@@ -284,10 +292,12 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     return grid, args, constexprs, {"num_warps": SORT_NUM_WARPS}
 
 
-def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out) -> None:
+def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
+                       expanded_ids: bool = False) -> None:
     """Launches the sorting kernel into the preallocated ``result`` buffers.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
-    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result, out)
+    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
+                                                            out, expanded_ids)
     _moe_sorting_kernel[grid](**args, **constexprs, **options)

@@ -1,0 +1,174 @@
+"""Benchmark: ``python -m fmoe2.bench`` — fmoe2 vs a vLLM-style Triton path, end to end, bf16.
+
+    python -m fmoe2.bench [--shapes mixtral-8x7b,qwen3-30b-a3b,deepseek-v2-lite | --shape E,H,I,topk]
+                          [--m 1,16,128,1024,4096] [--no-search] [--out-dir misc/bench] [--configs-out DIR]
+
+Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
+get their best config from the same search space (``fmoe2/bench/search.py``), are checked against
+the float32 reference, then timed like vLLM's benchmark_moe.py (10 calls in one CUDA graph,
+CUDA events, median of replays). Everything a caller pays is inside the timed call. The same run
+measures the device ceilings (copy bandwidth, bf16 matmul rate) for the floor
+``max(bytes of the experts hit + activations / bandwidth, flops / rate)``.
+Writes ``<out-dir>/<device>__<shape>.json`` and regenerates ``<out-dir>/<device>.md`` and the plots.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import sys
+
+import torch
+import triton
+
+import fmoe2
+from fmoe2.gemm.config import device_config_name, shape_file_name
+
+from .report import write_report
+from .search import baseline_candidates, fmoe2_candidates, search
+from .timing import time_in_graph
+from .vllm_style import vllm_style_fused_experts
+
+SHAPES = {
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "deepseek-v2-lite": (64, 2048, 1408, 6),
+}
+BF16_TOL = 2.5e-2
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy bandwidth (read + write bytes) and bf16 matmul rate on random data."""
+    n = 1 << 30  # 1 GiB of bf16 per buffer
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_us = time_in_graph(lambda: dst.copy_(src), calls_per_graph=5, replays=20)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_us = time_in_graph(lambda: a @ b, calls_per_graph=5, replays=20)
+    return {"copy_bytes_per_s": 2 * n / (copy_us * 1e-6), "bf16_flops_per_s": 2 * 8192**3 / (mm_us * 1e-6)}
+
+
+def make_inputs(M, E, H, I, topk, gen):
+    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(M, E, device="cuda", generator=gen)
+    topk_weights, topk_ids = torch.topk(logits.softmax(dim=-1), topk, dim=-1)
+    return x, topk_weights, topk_ids.to(torch.int32)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def try_vllm():
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts  # type: ignore
+    except Exception:  # noqa: BLE001 - vllm is optional
+        return None
+    return fused_experts
+
+
+def bench_shape(name, shape, ms, do_search, ceilings, gen, configs_out):
+    E, H, I, topk = shape
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
+    prepared = fmoe2.prepare_weights(w1, w2)
+    vllm_fused_experts = try_vllm()
+    rows, tuned = [], {}
+    for M in ms:
+        x, tw, ti = make_inputs(M, E, H, I, topk, gen)
+        out = torch.empty_like(x)
+        experts_hit = int(torch.unique(ti).numel())
+        floor_bytes = experts_hit * 3 * H * I * 2 + 2 * M * H * 2
+        flops = 2 * M * topk * 3 * H * I
+        floor_us = max(floor_bytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"]) * 1e6
+
+        def run_fmoe2(cfg):
+            return lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg)
+
+        def run_base(cfgs):
+            return lambda: vllm_style_fused_experts(x, w1, w2, tw, ti, *cfgs)
+
+        default_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)
+        if do_search:
+            f_cfg, _, _ = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), run_fmoe2, f"{name} M={M} fmoe2")
+            b_cfgs, _, _ = search(baseline_candidates(M, E, topk), run_base, f"{name} M={M} baseline")
+        else:
+            f_cfg, b_cfgs = default_cfg, baseline_candidates(M, E, topk)[0]
+        tuned[str(M)] = f_cfg.to_dict()
+
+        ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti)
+        err_f = rel_err(fmoe2.fused_moe(x, prepared, None, tw, ti, config=f_cfg), ref)
+        err_b = rel_err(vllm_style_fused_experts(x, w1, w2, tw, ti, *b_cfgs), ref)
+        t_f = time_in_graph(run_fmoe2(f_cfg))
+        t_default = time_in_graph(run_fmoe2(default_cfg)) if do_search else t_f
+        t_plain = time_in_graph(lambda: fmoe2.fused_moe(x, w1, w2, tw, ti, out=out, config=f_cfg))
+        t_b = time_in_graph(run_base(b_cfgs))
+        t_sort = time_in_graph(lambda: fmoe2.moe_sorting(ti, tw, E, f_cfg.BLOCK_M, out=out))
+        sort_budget = (10.0 if M * topk <= 8192 else 25.0) + M * H * 2 / ceilings["copy_bytes_per_s"] * 1e6
+        row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, experts_hit=experts_hit,
+                   fmoe2_us=t_f, fmoe2_default_config_us=t_default, fmoe2_plain_weights_us=t_plain,
+                   baseline_us=t_b, speedup=t_b / t_f, floor_us=floor_us, fraction_of_floor=floor_us / t_f,
+                   sort_us=t_sort, sort_budget_us=sort_budget, fmoe2_rel_err=err_f, baseline_rel_err=err_b,
+                   fmoe2_config=f_cfg.to_dict(), baseline_config=b_cfgs[0].__dict__)
+        if vllm_fused_experts is not None:
+            row["vllm_fused_experts_us"] = time_in_graph(lambda: vllm_fused_experts(x, w1, w2, tw, ti))
+        rows.append(row)
+        print(f"{name:17s} M={M:6d}  fmoe2 {t_f:9.1f} us  baseline {t_b:9.1f} us  speedup {t_b / t_f:5.2f}x  "
+              f"floor {floor_us / t_f:6.1%}  sort {t_sort:6.1f}/{sort_budget:.1f} us  err {err_f:.1e}/{err_b:.1e}",
+              flush=True)
+        if max(err_f, err_b) > BF16_TOL or not (math.isfinite(err_f) and math.isfinite(err_b)):
+            raise SystemExit(f"{name} M={M}: result off (fmoe2 {err_f:.2e}, baseline {err_b:.2e})")
+    if configs_out and do_search:
+        path = os.path.join(configs_out, device_config_name(), shape_file_name(E, H, I, topk, torch.bfloat16))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(tuned, f, indent=1)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fmoe2.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(SHAPES)}")
+    p.add_argument("--shape", default=None, help="a custom shape E,H,I,topk (replaces --shapes)")
+    p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
+    p.add_argument("--no-search", action="store_true", help="use default configs instead of searching")
+    p.add_argument("--out-dir", default=os.path.join("misc", "bench"))
+    p.add_argument("--configs-out", default=None, help="write fmoe2's tuned configs under this configs folder")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("the benchmark needs a CUDA or ROCm GPU")
+    if a.shape:
+        shapes = {"custom-" + a.shape.replace(",", "-"): tuple(int(v) for v in a.shape.split(","))}
+    else:
+        unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+        if unknown:
+            p.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+        shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
+    ms = [int(m) for m in a.m.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(a.seed)
+    ceilings = measure_ceilings()
+    device = torch.cuda.get_device_name()
+    meta = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                torch=torch.__version__, triton=triton.__version__, hip=getattr(torch.version, "hip", None),
+                command="python -m fmoe2.bench " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:])),
+                ceilings=ceilings)
+    print(f"{device}: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    os.makedirs(a.out_dir, exist_ok=True)
+    for name, shape in shapes.items():
+        rows = bench_shape(name, shape, ms, not a.no_search, ceilings, gen, a.configs_out)
+        path = os.path.join(a.out_dir, f"{device_config_name()}__{name}.json")
+        with open(path, "w") as f:
+            json.dump({**meta, "results": rows}, f, indent=1)
+    print(write_report(a.out_dir, device_config_name()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

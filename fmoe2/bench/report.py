@@ -1,0 +1,101 @@
+"""Benchmark report: JSON results -> markdown table and plots.
+
+    python -m fmoe2.bench.report [misc/bench] [DEVICE_NAME]
+
+Reads ``<dir>/<device>__*.json`` (written by ``python -m fmoe2.bench``) and writes
+``<dir>/<device>.md`` plus ``<dir>/../<device>_speedup.png`` and ``..._floor.png``.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import sys
+
+
+def _load(out_dir: str, device: str):
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out_dir, f"{device}__*.json"))):
+        with open(path) as f:
+            runs.append(json.load(f))
+    return runs
+
+
+def _table(runs) -> str:
+    lines = ["| shape | M | fmoe2 (us) | baseline (us) | speedup | fmoe2 / floor | sort (us) / budget | "
+             "fmoe2 default config (us) | rel. err fmoe2 / baseline |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    speedups = []
+    for run in runs:
+        for r in run["results"]:
+            speedups.append(r["speedup"])
+            lines.append(f"| {r['shape']} | {r['M']} | {r['fmoe2_us']:.1f} | {r['baseline_us']:.1f} | "
+                         f"{r['speedup']:.2f}x | {r['fraction_of_floor']:.0%} | {r['sort_us']:.1f} / "
+                         f"{r['sort_budget_us']:.1f} | {r['fmoe2_default_config_us']:.1f} | "
+                         f"{r['fmoe2_rel_err']:.1e} / {r['baseline_rel_err']:.1e} |")
+    geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups)) if speedups else float("nan")
+    lines.append(f"\nGeometric-mean speedup over {len(speedups)} points: **{geo:.2f}x**")
+    return "\n".join(lines)
+
+
+def _plots(runs, plot_dir: str, device: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for key, ylabel, fname, ref in (("speedup", "speedup vs vLLM-style Triton path", "speedup", 1.0),
+                                    ("fraction_of_floor", "fraction of floor (memory/compute)", "floor", None)):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run in runs:
+            rs = run["results"]
+            ax.plot([r["M"] for r in rs], [r[key] for r in rs], marker="o", label=rs[0]["shape"] if rs else "")
+        if ref is not None:
+            ax.axhline(ref, color="gray", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"fmoe2 on {runs[0]['device']} (bf16)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        path = os.path.join(plot_dir, f"{device}_{fname}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(out_dir: str, device: str, plot_dir: str = None) -> str:
+    runs = _load(out_dir, device)
+    if not runs:
+        return f"no results for {device} in {out_dir}"
+    plot_dir = plot_dir or os.path.dirname(os.path.abspath(out_dir))
+    head = runs[0]
+    md = [f"# fmoe2 benchmark on {head['device']}", "",
+          f"- date: {head['date']}; torch {head['torch']}, Triton {head['triton']}",
+          f"- ceilings measured in the same run: copy {head['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 matmul {head['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
+          "- commands: " + "; ".join(sorted({f"`{r['command']}`" for r in runs})),
+          "- timing: 10 calls per CUDA graph, CUDA events, median of 50 replays; sort and zeroing inside fmoe2's "
+          "time, alignment, activation and top-k sum inside the baseline's", "",
+          _table(runs)]
+    md_path = os.path.join(out_dir, f"{device}.md")
+    with open(md_path, "w") as f:
+        f.write("\n".join(md) + "\n")
+    plots = _plots(runs, plot_dir, device)
+    return "\n".join(md[-1:]) + "\n" + f"wrote {md_path} " + " ".join(plots)
+
+
+if __name__ == "__main__":
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join("misc", "bench")
+    if len(sys.argv) > 2:
+        devices = [sys.argv[2]]
+    else:
+        devices = sorted({os.path.basename(p).split("__")[0] for p in glob.glob(os.path.join(out_dir, "*__*.json"))})
+    for d in devices:
+        print(write_report(out_dir, d))

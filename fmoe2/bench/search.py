@@ -1,0 +1,88 @@
+"""The config search space shared by the tuner (fmoe2) and the benchmark's baseline, so both get
+the same chance: same BLOCK_M choices per batch, same BLOCK_N/BLOCK_K/warps/stages grid."""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from typing import Callable, Iterable, List, Sequence, Tuple, TypeVar
+
+import torch
+
+from ..gemm.config import FusedMoEConfig, _clamp, current_backend
+from .timing import time_in_graph
+from .vllm_style import GroupedGemmConfig
+
+T = TypeVar("T")
+
+
+def block_m_candidates(M: int, E: int, topk: int) -> Sequence[int]:
+    tokens_per_expert = M * topk / E
+    if tokens_per_expert <= 16:
+        return (16,)
+    if tokens_per_expert <= 64:
+        return (16, 32)
+    if tokens_per_expert <= 256:
+        return (32, 64)
+    return (64, 128)
+
+
+def _grid(M: int, E: int, topk: int):
+    large = M * topk / E > 256
+    return itertools.product(block_m_candidates(M, E, topk), (64, 128, 256), (64, 128), (4, 8),
+                             (3,) if large else (3, 4), (8,) if large else (1,))
+
+
+def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
+    """fmoe2 configs to try, after the picker's own clamps (duplicates removed)."""
+    hip = current_backend() == "hip"
+    seen, out = set(), []
+    for bm, bn, bk, warps, stages, group in _grid(M, E, topk):
+        cfg = FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=64 if bn >= 256 else 128, GROUP_M=group,
+                             num_warps=warps, num_stages=2 if hip else stages,
+                             **({"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}))
+        cfg = _clamp(cfg, H, I, topk, dtype)
+        if cfg not in seen:
+            seen.add(cfg)
+            out.append(cfg)
+    return out
+
+
+def baseline_candidates(M: int, E: int, topk: int) -> List[Tuple[GroupedGemmConfig, GroupedGemmConfig]]:
+    """Baseline (GEMM1, GEMM2) configs to try: the same grid, one config shared by both GEMMs."""
+    out = []
+    for bm, bn, bk, warps, stages, _ in _grid(M, E, topk):
+        cfg = GroupedGemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+        out.append((cfg, cfg))
+    return out
+
+
+def search(candidates: Iterable[T], run: Callable[[T], Callable[[], object]], label: str = "",
+           calls_per_graph: int = 3, replays: int = 10) -> Tuple[T, float, List[Tuple[T, float]]]:
+    """Times each candidate (quickly) and returns (best, its time in us, all results).
+
+    Candidates that fail to compile or launch (e.g. out of shared memory) are skipped.
+    Progress goes to stderr as a one-line bar.
+    """
+    candidates = list(candidates)
+    results = []
+    t0 = time.time()
+    for i, cand in enumerate(candidates):
+        try:
+            us = time_in_graph(run(cand), calls_per_graph=calls_per_graph, replays=replays, warmup=2)
+            results.append((cand, us))
+        except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run is just skipped
+            print(f"\n  skipped {cand}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+        done = i + 1
+        bar = "#" * (20 * done // len(candidates))
+        best = min(results, key=lambda r: r[1])[1] if results else float("nan")
+        print(f"\r  {label} [{bar:<20}] {done}/{len(candidates)} best {best:.1f} us ({time.time() - t0:.0f} s)",
+              end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    if not results:
+        raise RuntimeError(f"no candidate config ran for {label}")
+    best, us = min(results, key=lambda r: r[1])
+    return best, us, results
+
+
+__all__ = ["fmoe2_candidates", "baseline_candidates", "search", "block_m_candidates"]

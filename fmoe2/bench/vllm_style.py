@@ -1,0 +1,167 @@
+"""Baseline for the benchmark: vLLM's published Triton MoE algorithm, written here from its description.
+
+    align (expanded ids token*topk+slot, one device kernel)
+      -> grouped GEMM1 into cache1 [M*topk, 2I]
+      -> gated activation into cache2 [M*topk, I]          (one kernel)
+      -> grouped GEMM2 x routed weight into cache3 [M, topk, H]
+      -> sum over top-k into out [M, H]                      (one kernel)
+
+Five launches and three intermediate buffers. The align step is fmoe2's sorting kernel with
+``EXPANDED_IDS`` (same cost model as vLLM's single-kernel align, no output zeroing); the GEMM is a
+grouped GEMM over (expert tile, N block) programs in grouped launch order, like vLLM's
+``fused_moe_kernel``. Its configs are picked from the same kind of search space as fmoe2's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gemm.fused_moe_kernel import _gated_activation
+from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [num_a_rows, K]: x [M, H] (A_ROW_DIVISOR = topk) or cache2 [M*topk, I] (divisor 1)
+    b_ptr,  # [E, N, K]
+    c_ptr,  # [M*topk, N], row = expanded id
+    sorted_ids_ptr,  # [max_tiles * BLOCK_M] int32 expanded ids, padding = num_entries
+    expert_ids_ptr,  # [max_tiles] int32
+    num_sorted_tiles_ptr,  # [1] int32
+    topk_weights_ptr,  # [M*topk] float32 (read if MUL_ROUTED_WEIGHT)
+    num_entries,
+    N,
+    K,
+    num_grid_tiles,
+    # strides
+    stride_a_m,
+    stride_b_e,
+    stride_b_n,
+    stride_c_m,
+    # meta-parameters
+    A_ROW_DIVISOR: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block)."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    programs_per_group = GROUP_M * num_n_blocks
+    first_tile = (pid // programs_per_group) * GROUP_M
+    group_tiles = tl.minimum(num_grid_tiles - first_tile, GROUP_M)
+    tile = first_tile + (pid % programs_per_group) % group_tiles
+    n_block = (pid % programs_per_group) // group_tiles
+    if tile >= tl.load(num_sorted_tiles_ptr):
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = entry < num_entries
+    entry = entry.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + (entry // A_ROW_DIVISOR)[:, None] * stride_a_m
+    b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_valid = k < K
+        a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + entry, mask=row_valid, other=0.0)[:, None]
+    tl.store(c_ptr + entry[:, None] * stride_c_m + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def _gated_activation_kernel(
+    gate_up_ptr,  # [R, 2I]: gate columns then up columns
+    y_ptr,  # [R, I]
+    I,
+    ACTIVATION: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid: (R, cdiv(I, BLOCK))."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < I
+    gate = tl.load(gate_up_ptr + row * 2 * I + offs, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * I + I + offs, mask=valid, other=0.0).to(tl.float32)
+    y = _gated_activation(gate, up, ACTIVATION)
+    tl.store(y_ptr + row * I + offs, y.to(y_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _topk_sum_kernel(
+    partial_ptr,  # [M, TOPK, H]
+    out_ptr,  # [M, H]
+    H,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid: (M, cdiv(H, BLOCK)); fp32 sum over the top-k partial outputs."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        acc += tl.load(partial_ptr + (row * TOPK + k) * H + offs, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, cfg: GroupedGemmConfig):
+    E, N, K = b.shape
+    num_grid_tiles = min(max_busy_tiles(num_entries, E, cfg.BLOCK_M), sorting.sorted_expert_ids.numel())
+    grid = (num_grid_tiles * triton.cdiv(N, cfg.BLOCK_N),)
+    _grouped_gemm_kernel[grid](
+        a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights,
+        num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGemmConfig, gemm2: GroupedGemmConfig,
+                             activation: str = "silu") -> torch.Tensor:
+    """The unfused baseline; same math as :func:`fmoe2.fused_moe`. Both GEMMs share BLOCK_M (one sort)."""
+    if gemm1.BLOCK_M != gemm2.BLOCK_M:
+        raise ValueError("gemm1 and gemm2 configs must share BLOCK_M (one alignment serves both)")
+    M, H = x.shape
+    E, two_i, _ = w1.shape
+    inter = two_i // 2
+    topk = topk_ids.shape[1]
+    num_entries = M * topk
+    sorting = MoESortingResult.allocate(num_entries, E, gemm1.BLOCK_M, M, x.device)
+    launch_moe_sorting(topk_ids, topk_weights, E, None, sorting, None, expanded_ids=True)
+    cache1 = torch.empty(num_entries, two_i, dtype=x.dtype, device=x.device)
+    cache2 = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
+    cache3 = torch.empty(M, topk, H, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float() if topk_weights.dtype != torch.float32 else topk_weights.reshape(-1)
+    _grouped_gemm(x, w1, cache1, sorting, weights, num_entries, topk, False, gemm1)
+    act_block = min(1024, triton.next_power_of_2(inter))
+    _gated_activation_kernel[(num_entries, triton.cdiv(inter, act_block))](cache1, cache2, inter,
+                                                                            ACTIVATION=activation, BLOCK=act_block)
+    _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2)
+    out = torch.empty_like(x)
+    sum_block = min(1024, triton.next_power_of_2(H))
+    _topk_sum_kernel[(M, triton.cdiv(H, sum_block))](cache3, out, H, TOPK=topk, BLOCK=sum_block)
+    return out

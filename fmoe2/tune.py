@@ -1,0 +1,62 @@
+"""Tuner: ``python -m fmoe2.tune`` searches fused-kernel configs for one shape on this GPU.
+
+    python -m fmoe2.tune --shape mixtral-8x7b|E,H,I,topk [--m 1,16,128,1024,4096] [--dtype bf16]
+
+Writes ``fmoe2/gemm/configs/<device>/E=..,H=..,I=..,topk=..,dtype=...json`` (batch size -> best
+config), which :func:`fmoe2.get_config` then picks by nearest batch size. Runs unchanged on ROCm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+import fmoe2
+from fmoe2.bench.__main__ import SHAPES, make_inputs
+from fmoe2.bench.search import fmoe2_candidates, search
+from fmoe2.gemm.config import CONFIG_DIR, device_config_name, shape_file_name
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fmoe2.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, help=f"one of {sorted(SHAPES)} or E,H,I,topk")
+    p.add_argument("--m", default="1,16,128,1024,4096")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--config-dir", default=CONFIG_DIR)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("tuning needs a CUDA or ROCm GPU")
+    E, H, I, topk = SHAPES[a.shape] if a.shape in SHAPES else tuple(int(v) for v in a.shape.split(","))
+    dtype = DTYPES[a.dtype]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / math.sqrt(H)).to(dtype)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / math.sqrt(I)).to(dtype)
+    prepared = fmoe2.prepare_weights(w1, w2)
+    path = os.path.join(a.config_dir, device_config_name(), shape_file_name(E, H, I, topk, dtype))
+    tuned = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            tuned = json.load(f)
+    for M in (int(m) for m in a.m.split(",")):
+        x, tw, ti = make_inputs(M, E, H, I, topk, gen)
+        x, out = x.to(dtype), torch.empty(M, H, device="cuda", dtype=dtype)
+        best, us, _ = search(fmoe2_candidates(M, E, H, I, topk, dtype),
+                             lambda cfg: lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg),
+                             f"M={M}")
+        tuned[str(M)] = best.to_dict()
+        print(f"M={M}: {us:.1f} us with {best.to_dict()}", flush=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(sorted(tuned.items(), key=lambda kv: int(kv[0]))), f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

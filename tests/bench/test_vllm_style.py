@@ -1,0 +1,27 @@
+"""The benchmark's baseline computes the same function as fmoe2 (interpreter on CPU, or GPU)."""
+import pytest
+import torch
+
+from fmoe2.bench.search import baseline_candidates, block_m_candidates, fmoe2_candidates
+from fmoe2.bench.vllm_style import GroupedGemmConfig, vllm_style_fused_experts
+from fmoe2.gemm.config import MAX_ATOMIC_ADDS
+from helpers import assert_matches_reference, make_problem
+
+
+@pytest.mark.parametrize("M,E,H,I,topk", [(1, 4, 32, 16, 2), (13, 5, 40, 24, 3)])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_baseline_matches_reference(M, E, H, I, topk, activation):
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=M)
+    cfg = GroupedGemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+    out = vllm_style_fused_experts(x, w1, w2, tw, ti, cfg, cfg, activation=activation)
+    assert_matches_reference(out, x, w1, w2, tw, ti, activation=activation)
+
+
+def test_search_space_is_shared_and_respects_the_precision_cap():
+    E, H, I, topk = 8, 4096, 14336, 2
+    for M in (1, 128, 4096):
+        f = fmoe2_candidates(M, E, H, I, topk, torch.bfloat16)
+        b = baseline_candidates(M, E, topk)
+        assert f and b
+        assert {c.BLOCK_M for c in f} == {c[0].BLOCK_M for c in b} == set(block_m_candidates(M, E, topk))
+        assert all(topk * -(-I // c.BLOCK_N) <= MAX_ATOMIC_ADDS for c in f)
