@@ -87,13 +87,13 @@ def max_busy_tiles(num_entries: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, valid, num_global_experts,
                          NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr):
-    """Local expert id of each routing entry; NUM_EXPERTS (a spare histogram bin) if dropped."""
+    """Local expert id of each routing entry, and whether it is kept (in range after mapping)."""
     ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
     if HAS_EXPERT_MAP:
         in_range = valid & (ids >= 0) & (ids < num_global_experts)
         ids = tl.load(expert_map_ptr + ids, mask=in_range, other=-1)
     keep = valid & (ids >= 0) & (ids < NUM_EXPERTS)
-    return tl.where(keep, ids, NUM_EXPERTS)
+    return ids, keep
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def _moe_sorting_kernel(
     # meta-parameters
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
-    NUM_BINS: tl.constexpr,  # power of two > NUM_EXPERTS (the last bins collect dropped entries)
+    NUM_BINS: tl.constexpr,  # next power of two >= NUM_EXPERTS
     BLOCK_M: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,  # routing entries per step
     HAS_EXPERT_MAP: tl.constexpr,
@@ -145,9 +145,9 @@ def _moe_sorting_kernel(
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, num_entries, SCAN_BLOCK):
         offs = start + scan
-        ids = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
-                                   num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
-        counts += tl.histogram(ids, NUM_BINS)
+        ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
+                                         num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
+        counts += tl.histogram(ids, NUM_BINS, mask=keep)
     padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     region_start = tl.sum(tl.where(bins < expert, padded, 0), axis=0)
     my_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
@@ -159,9 +159,9 @@ def _moe_sorting_kernel(
         rank_base = region_start
         for start in range(0, num_entries, SCAN_BLOCK):
             offs = start + scan
-            ids = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
-                                       num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
-            hit = ids == expert
+            ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
+                                             num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
+            hit = keep & (ids == expert)
             hit_i32 = hit.to(tl.int32)
             dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
             weight = tl.load(topk_weights_ptr + offs, mask=hit, other=0.0).to(tl.float32)
@@ -280,7 +280,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     constexprs = dict(
         TOPK=topk,
         NUM_EXPERTS=num_experts,
-        NUM_BINS=triton.next_power_of_2(num_experts + 1),
+        NUM_BINS=triton.next_power_of_2(num_experts),
         BLOCK_M=result.block_m,
         SCAN_BLOCK=min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK),
         HAS_EXPERT_MAP=expert_map is not None,
