@@ -96,10 +96,13 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen, configs_out):
 
         default_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)
         if do_search:
-            f_cfg, _, _ = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), run_fmoe2, f"{name} M={M} fmoe2")
+            f_cfg, _, f_all = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), run_fmoe2,
+                                     f"{name} M={M} fmoe2")
             b_cfgs, _, _ = search(baseline_candidates(M, E, topk), run_base, f"{name} M={M} baseline")
+            fused_cfg = min((r for r in f_all if r[0].path == "fused"), key=lambda r: r[1])[0]
         else:
             f_cfg, b_cfgs = default_cfg, baseline_candidates(M, E, topk)[0]
+            fused_cfg = f_cfg if f_cfg.path == "fused" else None
         tuned[str(M)] = f_cfg.to_dict()
 
         ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti)
@@ -108,18 +111,21 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen, configs_out):
         t_f = time_in_graph(run_fmoe2(f_cfg))
         t_default = time_in_graph(run_fmoe2(default_cfg)) if do_search else t_f
         t_plain = time_in_graph(lambda: fmoe2.fused_moe(x, w1, w2, tw, ti, out=out, config=f_cfg))
+        t_fused = time_in_graph(run_fmoe2(fused_cfg)) if fused_cfg is not None and fused_cfg != f_cfg else (
+            t_f if f_cfg.path == "fused" else float("nan"))
         t_b = time_in_graph(run_base(b_cfgs))
         t_sort = time_in_graph(lambda: fmoe2.moe_sorting(ti, tw, E, f_cfg.BLOCK_M, out=out))
         sort_budget = (10.0 if M * topk <= 8192 else 25.0) + M * H * 2 / ceilings["copy_bytes_per_s"] * 1e6
         row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, experts_hit=experts_hit,
-                   fmoe2_us=t_f, fmoe2_default_config_us=t_default, fmoe2_plain_weights_us=t_plain,
+                   fmoe2_us=t_f, fmoe2_path=f_cfg.path, fmoe2_fused_path_us=t_fused,
+                   fmoe2_default_config_us=t_default, fmoe2_plain_weights_us=t_plain,
                    baseline_us=t_b, speedup=t_b / t_f, floor_us=floor_us, fraction_of_floor=floor_us / t_f,
                    sort_us=t_sort, sort_budget_us=sort_budget, fmoe2_rel_err=err_f, baseline_rel_err=err_b,
                    fmoe2_config=f_cfg.to_dict(), baseline_config=b_cfgs[0].__dict__)
         if vllm_fused_experts is not None:
             row["vllm_fused_experts_us"] = time_in_graph(lambda: vllm_fused_experts(x, w1, w2, tw, ti))
         rows.append(row)
-        print(f"{name:17s} M={M:6d}  fmoe2 {t_f:9.1f} us  baseline {t_b:9.1f} us  speedup {t_b / t_f:5.2f}x  "
+        print(f"{name:17s} M={M:6d}  fmoe2 {t_f:9.1f} us ({f_cfg.path}; fused {t_fused:.1f})  baseline {t_b:9.1f} us  speedup {t_b / t_f:5.2f}x  "
               f"floor {floor_us / t_f:6.1%}  sort {t_sort:6.1f}/{sort_budget:.1f} us  err {err_f:.1e}/{err_b:.1e}",
               flush=True)
         if max(err_f, err_b) > BF16_TOL or not (math.isfinite(err_f) and math.isfinite(err_b)):

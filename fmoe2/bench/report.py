@@ -23,14 +23,15 @@ def _load(out_dir: str, device: str):
 
 
 def _table(runs) -> str:
-    lines = ["| shape | M | fmoe2 (us) | baseline (us) | speedup | fmoe2 / floor | sort (us) / budget | "
-             "fmoe2 default config (us) | rel. err fmoe2 / baseline |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | M | fmoe2 (us) | path | fused path only (us) | baseline (us) | speedup | fmoe2 / floor | "
+             "sort (us) / budget | fmoe2 default config (us) | rel. err fmoe2 / baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     speedups = []
     for run in runs:
         for r in run["results"]:
             speedups.append(r["speedup"])
-            lines.append(f"| {r['shape']} | {r['M']} | {r['fmoe2_us']:.1f} | {r['baseline_us']:.1f} | "
+            lines.append(f"| {r['shape']} | {r['M']} | {r['fmoe2_us']:.1f} | {r.get('fmoe2_path', 'fused')} | "
+                         f"{r.get('fmoe2_fused_path_us', r['fmoe2_us']):.1f} | {r['baseline_us']:.1f} | "
                          f"{r['speedup']:.2f}x | {r['fraction_of_floor']:.0%} | {r['sort_us']:.1f} / "
                          f"{r['sort_budget_us']:.1f} | {r['fmoe2_default_config_us']:.1f} | "
                          f"{r['fmoe2_rel_err']:.1e} / {r['baseline_rel_err']:.1e} |")

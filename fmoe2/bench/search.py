@@ -27,24 +27,44 @@ def block_m_candidates(M: int, E: int, topk: int) -> Sequence[int]:
     return (64, 128)
 
 
+def _regime(M: int, E: int, topk: int) -> str:
+    tokens_per_expert = M * topk / E
+    return "decode" if tokens_per_expert <= 16 else "mid" if tokens_per_expert <= 256 else "large"
+
+
 def _grid(M: int, E: int, topk: int):
-    large = M * topk / E > 256
-    return itertools.product(block_m_candidates(M, E, topk), (64, 128, 256), (64, 128), (4, 8),
-                             (3,) if large else (3, 4), (8,) if large else (1,))
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) tried by both methods."""
+    regime = _regime(M, E, topk)
+    bms = block_m_candidates(M, E, topk)
+    if regime == "decode":
+        return itertools.product(bms, (64, 128, 256), (64, 128), (4, 8), (3, 4), (1,))
+    if regime == "mid":
+        return itertools.product(bms, (64, 128, 256), (64, 128), (4, 8), (3,), (1, 16))
+    return itertools.product(bms, (64, 128, 256), (64,), (4, 8), (3,), (8, 32))
 
 
 def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
-    """fmoe2 configs to try, after the picker's own clamps (duplicates removed)."""
+    """fmoe2 configs to try, after the picker's own clamps (duplicates removed): the fused path
+    always, the two-stage path once experts get more than 16 tokens each."""
     hip = current_backend() == "hip"
+    hip_opts = {"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}
     seen, out = set(), []
-    for bm, bn, bk, warps, stages, group in _grid(M, E, topk):
-        cfg = FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=64 if bn >= 256 else 128, GROUP_M=group,
-                             num_warps=warps, num_stages=2 if hip else stages,
-                             **({"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}))
+
+    def add(cfg):
         cfg = _clamp(cfg, H, I, topk, dtype)
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)
+
+    for bm, bn, bk, warps, stages, group in _grid(M, E, topk):
+        add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=64 if bn >= 256 else 128, GROUP_M=group,
+                           num_warps=warps, num_stages=2 if hip else stages, **hip_opts))
+    if _regime(M, E, topk) != "decode":
+        for bm, bn, s2_bn, s2_stages in itertools.product(block_m_candidates(M, E, topk), (64, 128), (128, 256),
+                                                          (3, 4)):
+            add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, BLOCK_H=128, GROUP_M=8, num_warps=8,
+                               num_stages=2 if hip else 3, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=64,
+                               S2_GROUP_M=8, s2_num_warps=8, s2_num_stages=2 if hip else s2_stages, **hip_opts))
     return out
 
 

@@ -9,7 +9,7 @@
 Five launches and three intermediate buffers. The align step is fmoe2's sorting kernel with
 ``EXPANDED_IDS`` (same cost model as vLLM's single-kernel align, no output zeroing); the GEMM is a
 grouped GEMM over (expert tile, N block) programs in grouped launch order, like vLLM's
-``fused_moe_kernel``. Its configs are picked from the same kind of search space as fmoe2's.
+``fused_moe_kernel`` (``fmoe2/gemm/grouped_gemm_kernel.py``, shared with fmoe2's two-stage path). Its configs are picked from the same kind of search space as fmoe2's.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..gemm.fused_moe_kernel import _gated_activation
+from ..gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
 
 
@@ -31,65 +32,6 @@ class GroupedGemmConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
-
-
-@triton.jit
-def _grouped_gemm_kernel(
-    a_ptr,  # [num_a_rows, K]: x [M, H] (A_ROW_DIVISOR = topk) or cache2 [M*topk, I] (divisor 1)
-    b_ptr,  # [E, N, K]
-    c_ptr,  # [M*topk, N], row = expanded id
-    sorted_ids_ptr,  # [max_tiles * BLOCK_M] int32 expanded ids, padding = num_entries
-    expert_ids_ptr,  # [max_tiles] int32
-    num_sorted_tiles_ptr,  # [1] int32
-    topk_weights_ptr,  # [M*topk] float32 (read if MUL_ROUTED_WEIGHT)
-    num_entries,
-    N,
-    K,
-    num_grid_tiles,
-    # strides
-    stride_a_m,
-    stride_b_e,
-    stride_b_n,
-    stride_c_m,
-    # meta-parameters
-    A_ROW_DIVISOR: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block)."""
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    programs_per_group = GROUP_M * num_n_blocks
-    first_tile = (pid // programs_per_group) * GROUP_M
-    group_tiles = tl.minimum(num_grid_tiles - first_tile, GROUP_M)
-    tile = first_tile + (pid % programs_per_group) % group_tiles
-    n_block = (pid % programs_per_group) // group_tiles
-    if tile >= tl.load(num_sorted_tiles_ptr):
-        return
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    entry = tl.load(sorted_ids_ptr + offs_m)
-    row_valid = entry < num_entries
-    entry = entry.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + (entry // A_ROW_DIVISOR)[:, None] * stride_a_m
-    b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_valid = k < K
-        a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(b_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(topk_weights_ptr + entry, mask=row_valid, other=0.0)[:, None]
-    tl.store(c_ptr + entry[:, None] * stride_c_m + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_valid[:, None] & n_valid[None, :])
 
 
 @triton.jit
@@ -135,7 +77,8 @@ def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mu
     _grouped_gemm_kernel[grid](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights,
         num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        GATHER_A=True, A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=False,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

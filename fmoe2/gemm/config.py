@@ -29,6 +29,7 @@ import triton
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 HIP_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+PATHS = ("fused", "two_stage")
 MAX_ATOMIC_ADDS = 128  # per output element, for bf16/fp16 outputs
 MAX_BLOCK_N = 256
 MAX_WEIGHT_TILE = 16384  # elements of one weight tile ([2*BLOCK_N, BLOCK_K] or [BLOCK_H, BLOCK_N]) once widened
@@ -50,24 +51,40 @@ class FusedMoEConfig:
     waves_per_eu: Optional[int] = None
     matrix_instr_nonkdim: Optional[int] = None
     kpack: Optional[int] = None
+    # "fused" (zero workspace) or "two_stage" (stage 1 writes y [rows, I], stage 2 down GEMM)
+    path: str = "fused"
+    # Stage 2 of the two-stage path (grouped down GEMM, N = H, K = I):
+    S2_BLOCK_N: int = 128
+    S2_BLOCK_K: int = 64
+    S2_GROUP_M: int = 8
+    s2_num_warps: int = 8
+    s2_num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_H"):
+        if self.path not in PATHS:
+            raise ValueError(f"config path must be one of {PATHS}, got {self.path!r}")
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_H", "S2_BLOCK_N", "S2_BLOCK_K"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"config {name} must be a power of two >= 16, got {v!r}")
         if self.GROUP_M < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"config GROUP_M, num_warps and num_stages must be >= 1: {self}")
 
-    def launch_options(self, backend: str) -> Dict[str, int]:
+    def launch_options(self, backend: str, stage2: bool = False) -> Dict[str, int]:
         """Keyword options for the Triton launch on ``backend`` ("cuda" or "hip")."""
-        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if stage2:
+            opts = {"num_warps": self.s2_num_warps, "num_stages": self.s2_num_stages}
+        else:
+            opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
         if backend == "hip":
             opts.update({k: getattr(self, k) for k in HIP_ONLY_OPTIONS if getattr(self, k) is not None})
         return opts
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.path == "fused":  # stage-2 fields are meaningless there
+            d = {k: v for k, v in d.items() if not k.lower().startswith("s2_")}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "FusedMoEConfig":
@@ -114,15 +131,16 @@ def _clamp(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype) -
         return max(16, min(block, triton.next_power_of_2(dim)))
 
     block_n, block_k, block_h, num_warps = cap(cfg.BLOCK_N, I), cfg.BLOCK_K, cfg.BLOCK_H, cfg.num_warps
-    if dtype in (torch.bfloat16, torch.float16):
+    if dtype in (torch.bfloat16, torch.float16) and cfg.path == "fused":
         while topk * triton.cdiv(I, block_n) > MAX_ATOMIC_ADDS and block_n < min(MAX_BLOCK_N, triton.next_power_of_2(I)):
             block_n *= 2
-        if block_n > cfg.BLOCK_N:
+        if block_n > cfg.BLOCK_N and cfg.path == "fused":
             # Keep the widened weight tiles' shared memory and the accumulator's registers in budget.
             block_k = max(16, min(block_k, MAX_WEIGHT_TILE // (2 * block_n)))
             block_h = max(16, min(block_h, MAX_WEIGHT_TILE // block_n))
             num_warps = max(num_warps, min(8, cfg.BLOCK_M * 2 * block_n // (32 * MAX_ACC_REGS)))
-    return replace(cfg, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H), num_warps=num_warps)
+    return replace(cfg, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H), num_warps=num_warps,
+                   S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=cap(cfg.S2_BLOCK_K, I))
 
 
 def get_config(

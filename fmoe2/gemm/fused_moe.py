@@ -1,7 +1,7 @@
 """Public ``fused_moe``: argument checks, config pick, then exactly two launches (sort, fused GEMM)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -10,8 +10,9 @@ import triton
 from .._validation import FLOAT_DTYPES, ID_DTYPES, check_no_overlap, check_same_device, check_tensor
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from .config import FusedMoEConfig, current_backend, get_config
+from .config import PATHS, FusedMoEConfig, current_backend, get_config
 from .fused_moe_kernel import _fused_moe_kernel
+from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
 
 
@@ -29,7 +30,8 @@ class MoEProblem:
     topk: int
 
 
-def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config) -> MoEProblem:
+def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
+                         path="auto") -> MoEProblem:
     """Validates every argument of :func:`fused_moe` on the host; raises TypeError/ValueError."""
     check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
     M, H = hidden_states.shape
@@ -68,6 +70,8 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     if out is not None:
         check_tensor("out", out, dtypes=(dtype,), shape=(M, H), shape_doc=f"[M, H] = [{M}, {H}]")
         check_no_overlap("out", out, "hidden_states", hidden_states)
+    if path not in ("auto",) + PATHS:
+        raise ValueError(f"path must be one of {('auto',) + PATHS}, got {path!r}")
     if config is not None and not isinstance(config, FusedMoEConfig):
         raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
     check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
@@ -75,28 +79,55 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk)
 
 
-def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
-                        config: FusedMoEConfig, backend: str):
-    """Grid, arguments and options of the fused kernel (shared by the launcher and ``fmoe2.codegen``)."""
+def grid_tiles(problem: MoEProblem, sorting: MoESortingResult) -> int:
+    """Tiles the grids are sized for: the most any routing can fill (see ``max_busy_tiles``)."""
     num_entries = problem.x.shape[0] * problem.topk
-    num_grid_tiles = min(max_busy_tiles(num_entries, problem.num_experts, config.BLOCK_M),
-                         sorting.sorted_expert_ids.numel())
+    return min(max_busy_tiles(num_entries, problem.num_experts, sorting.block_m), sorting.sorted_expert_ids.numel())
+
+
+def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
+                        config: FusedMoEConfig, backend: str, y: Optional[torch.Tensor] = None):
+    """Grid, arguments and options of the fused kernel (shared by the launcher and ``fmoe2.codegen``).
+
+    With ``y`` it is stage 1 of the two-stage path: it stores the intermediate into ``y``.
+    """
+    num_grid_tiles = grid_tiles(problem, sorting)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
     args = dict(
-        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out,
+        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y if y is not None else out,
         sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_weights_ptr=sorting.sorted_weights,
         sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
         num_tokens=problem.x.shape[0], H=problem.hidden_size, I=problem.intermediate_size,
         num_grid_tiles=num_grid_tiles,
         stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
         stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1), stride_out_m=out.stride(0),
+        stride_y_m=y.stride(0) if y is not None else 0,
     )
     constexprs = dict(
         ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
-        GROUP_M=config.GROUP_M,
+        GROUP_M=config.GROUP_M, STORE_Y=y is not None,
     )
     return grid, args, constexprs, config.launch_options(backend)
+
+
+def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, y: torch.Tensor,
+                         config: FusedMoEConfig, backend: str):
+    """Two-stage path, stage 2: ``out[token] += y[sorted row] @ w2[e]^T`` (grouped GEMM, atomics over top-k)."""
+    num_grid_tiles = grid_tiles(problem, sorting)
+    H = problem.hidden_size
+    grid = (num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
+    args = dict(
+        a_ptr=y, b_ptr=problem.w2, c_ptr=out, sorted_ids_ptr=sorting.sorted_token_ids,
+        expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
+        topk_weights_ptr=sorting.sorted_weights, num_valid_ids=problem.x.shape[0], N=H,
+        K=problem.intermediate_size, num_grid_tiles=num_grid_tiles, stride_a_m=y.stride(0),
+        stride_b_e=problem.w2.stride(0), stride_b_n=problem.w2.stride(1), stride_c_m=out.stride(0),
+    )
+    constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=True,
+                      BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
+                      GROUP_M=config.S2_GROUP_M)
+    return grid, args, constexprs, config.launch_options(backend, stage2=True)
 
 
 def fused_moe(
@@ -110,8 +141,9 @@ def fused_moe(
     out: Optional[torch.Tensor] = None,
     expert_map: Optional[torch.Tensor] = None,
     config: Optional[FusedMoEConfig] = None,
+    path: str = "auto",
 ) -> torch.Tensor:
-    """MoE forward in two launches and no intermediate buffer.
+    """MoE forward in two launches and no intermediate buffer (or three, with the two-stage path).
 
     ``out[t] = sum_k topk_weights[t,k] * (act(x_t Wg_e^T) * (x_t Wu_e^T)) Wd_e^T``, ``e = topk_ids[t,k]``.
 
@@ -127,6 +159,10 @@ def fused_moe(
         expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1; tokens
             routed to other ranks' experts contribute nothing (their rows may stay zero).
         config: optional :class:`FusedMoEConfig` overriding :func:`fmoe2.get_config`.
+        path: ``"auto"`` (the config's path: tuned per device, batch and shape), ``"fused"``
+            (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
+            the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
+            atomic adds per output element; workspace ``(M*topk + E*(BLOCK_M-1)) x I`` elements).
 
     Returns:
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
@@ -136,7 +172,8 @@ def fused_moe(
     values beyond 65504 in the intermediate or the output become inf: prefer bf16.
     No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
     """
-    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config)
+    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
+                                   path)
     M, H = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)
@@ -144,8 +181,18 @@ def fused_moe(
         return out
     config = config or get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk,
                                   hidden_states.dtype, device=hidden_states.device)
+    if path != "auto" and path != config.path:
+        config = replace(config, path=path)
+    backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
     launch_moe_sorting(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out)
-    grid, args, constexprs, options = fused_kernel_launch(problem, out, sorting, activation, config, current_backend())
+    y = None
+    if config.path == "two_stage":
+        y = torch.empty(grid_tiles(problem, sorting) * config.BLOCK_M, problem.intermediate_size,
+                        dtype=hidden_states.dtype, device=hidden_states.device)
+    grid, args, constexprs, options = fused_kernel_launch(problem, out, sorting, activation, config, backend, y)
     _fused_moe_kernel[grid](**args, **constexprs, **options)
+    if y is not None:
+        grid, args, constexprs, options = stage2_kernel_launch(problem, out, sorting, y, config, backend)
+        _grouped_gemm_kernel[grid](**args, **constexprs, **options)
     return out

@@ -37,6 +37,7 @@ def _fused_moe_kernel(
     w1_ptr,  # plain: [E, 2I, H] gate rows then up rows; interleaved: [E, 2*I_pad, H_pad] (g0, u0, g1, u1, ...)
     w2_ptr,  # [E, H(_pad), I(_pad)]
     out_ptr,  # [M, H], zeroed by the sorting launch, receives atomic adds
+    y_ptr,  # [num_grid_tiles * BLOCK_M, I] (STORE_Y only): activated, weighted intermediate in sorted order
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
     sorted_expert_ids_ptr,  # [max_num_tiles] int32
@@ -52,6 +53,7 @@ def _fused_moe_kernel(
     stride_w2_e,
     stride_w2_h,
     stride_out_m,
+    stride_y_m,
     # meta-parameters
     ACTIVATION: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr,
@@ -60,6 +62,7 @@ def _fused_moe_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     GROUP_M: tl.constexpr,
+    STORE_Y: tl.constexpr,  # two-stage path, stage 1: store y and stop (no down GEMM)
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` exit at once.
 
@@ -121,6 +124,10 @@ def _fused_moe_kernel(
     # The down GEMM is linear in y, so the routing weight is applied once here.
     y = _gated_activation(gate, up, ACTIVATION) * route_weight[:, None]
     y = y.to(x_ptr.dtype.element_ty)
+    if STORE_Y:
+        # Padding rows hold zeros (their x rows and routing weights are 0), so no row mask.
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], y, mask=n_valid[None, :])
+        return
 
     # Down GEMM of this slice over all of H, added into the output.
     w2_expert = w2_ptr + expert * stride_w2_e

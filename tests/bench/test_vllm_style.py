@@ -24,4 +24,5 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         b = baseline_candidates(M, E, topk)
         assert f and b
         assert {c.BLOCK_M for c in f} == {c[0].BLOCK_M for c in b} == set(block_m_candidates(M, E, topk))
-        assert all(topk * -(-I // c.BLOCK_N) <= MAX_ATOMIC_ADDS for c in f)
+        assert all(topk * -(-I // c.BLOCK_N) <= MAX_ATOMIC_ADDS for c in f if c.path == "fused")
+        assert any(c.path == "two_stage" for c in f) == (M * topk / E > 16)

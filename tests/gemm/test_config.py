@@ -41,3 +41,12 @@ def test_invalid_configs_are_refused():
         FusedMoEConfig(BLOCK_M=16, BLOCK_N=24, BLOCK_K=32, BLOCK_H=32)
     with pytest.raises(ValueError, match="unknown config keys"):
         FusedMoEConfig.from_dict(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, BLOCK_Q=1))
+
+
+def test_two_stage_fields_round_trip_and_are_validated():
+    cfg = FusedMoEConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_H=128, path="two_stage", S2_BLOCK_N=256)
+    assert FusedMoEConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.launch_options("cuda", stage2=True) == {"num_warps": cfg.s2_num_warps, "num_stages": cfg.s2_num_stages}
+    assert "S2_BLOCK_N" not in FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16).to_dict()
+    with pytest.raises(ValueError, match="config path must be one of"):
+        FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="split")

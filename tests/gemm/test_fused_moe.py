@@ -10,6 +10,7 @@ from helpers import DEVICE, assert_matches_reference, make_problem, poisoned
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
 
 
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
 @pytest.mark.parametrize("M,E,H,I,topk", [
@@ -18,11 +19,11 @@ SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
     (33, 5, 72, 56, 1),
     (19, 10, 24, 20, 8),
 ])
-def test_matches_reference(M, E, H, I, topk, dtype, prepared):
+def test_matches_reference(M, E, H, I, topk, dtype, prepared, path):
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=M + E)
     out = poisoned(M, H, dtype)
     weights = (prepare_weights(w1, w2), None) if prepared else (w1, w2)
-    result = fused_moe(x, *weights, tw, ti, out=out)
+    result = fused_moe(x, *weights, tw, ti, out=out, path=path)
     assert result is out
     assert_matches_reference(out, x, w1, w2, tw, ti)
 
@@ -57,7 +58,17 @@ def test_tiles_span_several_blocks_and_slices():
     assert_matches_reference(out, x, w1, w2, tw, ti)
 
 
-def test_expert_map_drops_other_ranks():
+def test_two_stage_config_with_its_own_stage2_tiling():
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_H=16, GROUP_M=2, path="two_stage",
+                         S2_BLOCK_N=32, S2_BLOCK_K=16, S2_GROUP_M=3)
+    x, w1, w2, tw, ti = make_problem(45, 4, 50, 40, 3, torch.float16, seed=8)
+    for weights in ((w1, w2), (prepare_weights(w1, w2), None)):
+        out = fused_moe(x, *weights, tw, ti, config=cfg, out=poisoned(45, 50, torch.float16))
+        assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_expert_map_drops_other_ranks(path):
     M, E_global, topk = 24, 8, 3
     x, w1_all, w2_all, tw, ti = make_problem(M, E_global, 32, 32, topk, torch.float32, seed=4)
     local = torch.tensor([1, 4, 6])
@@ -65,7 +76,7 @@ def test_expert_map_drops_other_ranks():
     expert_map[local] = torch.arange(len(local), dtype=torch.int32)
     expert_map = expert_map.to(DEVICE)
     w1, w2 = w1_all[local.to(DEVICE)].contiguous(), w2_all[local.to(DEVICE)].contiguous()
-    out = fused_moe(x, w1, w2, tw, ti, expert_map=expert_map, out=poisoned(M, 32, torch.float32))
+    out = fused_moe(x, w1, w2, tw, ti, expert_map=expert_map, out=poisoned(M, 32, torch.float32), path=path)
     assert_matches_reference(out, x, w1, w2, tw, ti, expert_map=expert_map)
     # Same as the full model with the other experts' weights zeroed.
     keep = torch.zeros(E_global, dtype=torch.bool)
@@ -104,6 +115,7 @@ def test_zero_tokens():
     assert out.shape == (0, 32)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_fp16_overflow_is_visible_not_hidden():
     # Documented caveat: fp16 cannot hold intermediates beyond 65504; the result shows inf/nan.
     x, w1, w2, tw, ti = make_problem(4, 2, 32, 16, 1, torch.float16)
@@ -134,14 +146,16 @@ def _args():
     (lambda a: {**a, "out": a["x"]}, ValueError, "out overlaps hidden_states"),
     (lambda a: {**a, "expert_map": torch.zeros(3, device=DEVICE)}, TypeError, "expert_map must have dtype"),
     (lambda a: {**a, "config": {"BLOCK_M": 16}}, TypeError, "config must be a fmoe2.FusedMoEConfig"),
+    (lambda a: {**a, "path": "three_stage"}, ValueError, "path must be one of"),
     (lambda a: {**a, "w1": prepare_weights(a["w1"], a["w2"])}, ValueError, "w2 must be None"),
 ])
 def test_bad_input_is_refused_before_launch(mutate, exc, match):
     x, w1, w2, tw, ti = _args()
-    a = mutate(dict(x=x, w1=w1, w2=w2, tw=tw, ti=ti, activation="silu", out=None, expert_map=None, config=None))
+    a = mutate(dict(x=x, w1=w1, w2=w2, tw=tw, ti=ti, activation="silu", out=None, expert_map=None, config=None,
+                    path="auto"))
     with pytest.raises(exc, match=match):
         fused_moe(a["x"], a["w1"], a["w2"], a["tw"], a["ti"], activation=a["activation"], out=a["out"],
-                  expert_map=a["expert_map"], config=a["config"])
+                  expert_map=a["expert_map"], config=a["config"], path=a["path"])
 
 
 def test_prepared_weights_must_match_input():

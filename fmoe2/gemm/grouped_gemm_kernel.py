@@ -1,0 +1,81 @@
+"""Grouped GEMM over sorted expert tiles: ``C[rows] (+)= A[rows] @ B[expert]^T``.
+
+One kernel, two users:
+
+* fmoe2's two-stage path, stage 2: A = the activated intermediate ``y`` in sorted order
+  (row = sorted position, routing weight already applied), B = ``w2``, output rows = token ids,
+  added with relaxed atomics into the output the sort zeroed (``topk`` adds per element);
+* the benchmark's vLLM-style baseline: A gathered by expanded id (``x[id // topk]`` or
+  ``cache2[id]``), output stored at row ``id``, optionally times ``topk_weights[id]``.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [num_a_rows, K]
+    b_ptr,  # [E, N(_pad), K(_pad)]
+    c_ptr,  # [num_c_rows, N]
+    sorted_ids_ptr,  # [num_grid_tiles * BLOCK_M] int32 ids (token or expanded), padding >= num_valid_ids
+    expert_ids_ptr,  # [max_tiles] int32
+    num_sorted_tiles_ptr,  # [1] int32
+    topk_weights_ptr,  # [num_valid_ids] float32 (read only if MUL_ROUTED_WEIGHT)
+    num_valid_ids,
+    N,
+    K,
+    num_grid_tiles,
+    # strides
+    stride_a_m,
+    stride_b_e,
+    stride_b_n,
+    stride_c_m,
+    # meta-parameters
+    GATHER_A: tl.constexpr,  # A row = id // A_ROW_DIVISOR (else the sorted position)
+    A_ROW_DIVISOR: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ATOMIC_OUTPUT: tl.constexpr,  # relaxed atomic add at row id (else a store)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block);
+    programs past ``num_sorted_tiles`` exit at once."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    programs_per_group = GROUP_M * num_n_blocks
+    first_tile = (pid // programs_per_group) * GROUP_M
+    group_tiles = tl.minimum(num_grid_tiles - first_tile, GROUP_M)
+    tile = first_tile + (pid % programs_per_group) % group_tiles
+    n_block = (pid % programs_per_group) // group_tiles
+    if tile >= tl.load(num_sorted_tiles_ptr):
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_id = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = row_id < num_valid_ids
+    row_id = row_id.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if GATHER_A:
+        a_rows = a_ptr + (row_id // A_ROW_DIVISOR)[:, None] * stride_a_m
+    else:
+        a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m
+    b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_valid = k < K
+        a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + row_id[:, None] * stride_c_m + offs_n[None, :]
+    c_mask = row_valid[:, None] & n_valid[None, :]
+    if ATOMIC_OUTPUT:
+        tl.atomic_add(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
