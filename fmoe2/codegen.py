@@ -29,8 +29,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .gemm.config import get_config
-from .gemm.fused_moe import MoEProblem, fused_kernel_launch
+from .gemm.fused_moe import MoEProblem, fused_kernel_launch, grid_tiles, stage2_kernel_launch
 from .gemm.fused_moe_kernel import _fused_moe_kernel
+from .gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from .gemm.layout import _round_up
 from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sorting_kernel_launch
 
@@ -157,7 +158,11 @@ def _compile(fn, grid, args, constexprs, options, target: GPUTarget) -> dict:
 
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu") -> List[dict]:
-    """Compiles the sorting and fused kernels as ``fused_moe`` would launch them; one dict each."""
+    """Compiles the kernels ``fused_moe`` would launch; one dict each.
+
+    Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
+    and ``fused_moe_stage1`` and ``moe_stage2`` too when the picked config uses the two-stage path.
+    """
     target = TARGETS[target_name]
     backend = target.backend
     E, H, inter, topk = shape
@@ -172,19 +177,29 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         w2 = torch.empty(E, H, inter, dtype=dtype, **meta)
     topk_ids = torch.empty(M, topk, dtype=torch.int32, **meta)
     topk_weights = torch.empty(M, topk, dtype=torch.float32, **meta)
-    config = get_config(M, E, H, inter, topk, dtype, backend=backend,
-                        arch=target.arch if backend == "hip" else None)
+    pick = dict(backend=backend, arch=target.arch if backend == "hip" else None)
+    config = get_config(M, E, H, inter, topk, dtype, **pick)
+    fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
-    sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta")
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
-              "dtype": str(dtype).replace("torch.", "")}
+              "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
     reports = []
+    sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x)
     reports.append({"kernel": "moe_sorting", **common,
                     **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
-    grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, config, backend)
-    reports.append({"kernel": "fused_moe", **common, "prepared_weights": prepared, "config": config.to_dict(),
+    grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, fused_config, backend)
+    reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
                     **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+    if config.path == "two_stage":
+        sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta")
+        y = torch.empty(grid_tiles(problem, sorting) * config.BLOCK_M, inter, dtype=dtype, **meta)
+        grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, config, backend, y)
+        reports.append({"kernel": "fused_moe_stage1", **common, "config": config.to_dict(),
+                        **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+        grid, args, constexprs, options = stage2_kernel_launch(problem, x, sorting, y, config, backend)
+        reports.append({"kernel": "moe_stage2", **common, "config": config.to_dict(),
+                        **_compile(_grouped_gemm_kernel, grid, args, constexprs, options, target)})
     return reports
 
 

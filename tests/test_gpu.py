@@ -29,11 +29,11 @@ def test_realistic_shapes(shape, M, dtype):
     x, w1, w2, tw, ti = problem(shape, M, dtype, seed=M)
     prepared = prepare_weights(w1, w2)
     ref = reference32(x, w1, w2, tw, ti)
-    for weights in ((w1, w2), (prepared, None)):
-        out = fused_moe(x, *weights, tw, ti, out=poisoned(M, x.shape[1], dtype, "cuda"))
+    for weights, path in (((w1, w2), "auto"), ((prepared, None), "fused"), ((prepared, None), "two_stage")):
+        out = fused_moe(x, *weights, tw, ti, out=poisoned(M, x.shape[1], dtype, "cuda"), path=path)
         assert torch.isfinite(out).all()
         err = rel_error(out, ref)
-        assert err <= REL_TOL[dtype], f"{shape} M={M} {dtype}: relative error {err:.3e}"
+        assert err <= REL_TOL[dtype], f"{shape} M={M} {dtype} {path}: relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
@@ -45,8 +45,8 @@ def test_gelu_bf16(activation):
 
 def test_odd_sizes_bf16():
     x, w1, w2, tw, ti = make_problem(333, 7, 1000, 600, 3, torch.bfloat16, device="cuda", seed=3)
-    for weights in ((w1, w2), (prepare_weights(w1, w2), None)):
-        out = fused_moe(x, *weights, tw, ti, out=poisoned(333, 1000, torch.bfloat16, "cuda"))
+    for weights, path in (((w1, w2), "fused"), ((prepare_weights(w1, w2), None), "two_stage")):
+        out = fused_moe(x, *weights, tw, ti, out=poisoned(333, 1000, torch.bfloat16, "cuda"), path=path)
         assert rel_error(out, reference32(x, w1, w2, tw, ti)) <= REL_TOL[torch.bfloat16]
 
 
@@ -73,17 +73,18 @@ def test_large_sorts_exact(M, topk, E):
     assert (res.sorted_weights[:total][~real] == 0).all()
 
 
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_cuda_graph_capture_and_replay(shape):
+def test_cuda_graph_capture_and_replay(shape, path):
     M = 300
     x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=11)
     prepared = prepare_weights(w1, w2)
     ref = reference32(x, w1, w2, tw, ti)
-    eager = fused_moe(x, prepared, None, tw, ti)
+    eager = fused_moe(x, prepared, None, tw, ti, path=path)
     out = torch.empty_like(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, prepared, None, tw, ti, out=out)
+        fused_moe(x, prepared, None, tw, ti, out=out, path=path)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -9,7 +9,7 @@ from typing import Callable, Iterable, List, Sequence, Tuple, TypeVar
 
 import torch
 
-from ..gemm.config import FusedMoEConfig, _clamp, current_backend
+from ..gemm.config import FusedMoEConfig, fit_config, current_backend
 from .timing import time_in_graph
 from .vllm_style import GroupedGemmConfig
 
@@ -51,7 +51,7 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     seen, out = set(), []
 
     def add(cfg):
-        cfg = _clamp(cfg, H, I, topk, dtype)
+        cfg = fit_config(cfg, H, I, topk, dtype)
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)

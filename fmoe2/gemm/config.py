@@ -34,6 +34,7 @@ MAX_ATOMIC_ADDS = 128  # per output element, for bf16/fp16 outputs
 MAX_BLOCK_N = 256
 MAX_WEIGHT_TILE = 16384  # elements of one weight tile ([2*BLOCK_N, BLOCK_K] or [BLOCK_H, BLOCK_N]) once widened
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
+MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,12 @@ def _arch_key(device) -> Optional[str]:
     return arch.split(":")[0] or None
 
 
-def _clamp(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype) -> FusedMoEConfig:
+def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype) -> FusedMoEConfig:
+    """Clamps a config to the problem (see the module docstring); every config used goes through here."""
     def cap(block, dim):
         return max(16, min(block, triton.next_power_of_2(dim)))
 
-    block_n, block_k, block_h, num_warps = cap(cfg.BLOCK_N, I), cfg.BLOCK_K, cfg.BLOCK_H, cfg.num_warps
+    block_m, block_n, block_k, block_h, num_warps = cfg.BLOCK_M, cap(cfg.BLOCK_N, I), cfg.BLOCK_K, cfg.BLOCK_H, cfg.num_warps
     if dtype in (torch.bfloat16, torch.float16) and cfg.path == "fused":
         while topk * triton.cdiv(I, block_n) > MAX_ATOMIC_ADDS and block_n < min(MAX_BLOCK_N, triton.next_power_of_2(I)):
             block_n *= 2
@@ -138,8 +140,10 @@ def _clamp(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype) -
             # Keep the widened weight tiles' shared memory and the accumulator's registers in budget.
             block_k = max(16, min(block_k, MAX_WEIGHT_TILE // (2 * block_n)))
             block_h = max(16, min(block_h, MAX_WEIGHT_TILE // block_n))
-            num_warps = max(num_warps, min(8, cfg.BLOCK_M * 2 * block_n // (32 * MAX_ACC_REGS)))
-    return replace(cfg, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H), num_warps=num_warps,
+            while block_m > 16 and block_m * 2 * block_n > MAX_FUSED_ACC:
+                block_m //= 2
+            num_warps = max(num_warps, min(8, block_m * 2 * block_n // (32 * MAX_ACC_REGS)))
+    return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H), num_warps=num_warps,
                    S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=cap(cfg.S2_BLOCK_K, I))
 
 
@@ -154,21 +158,30 @@ def get_config(
     device: Optional[torch.device] = None,
     backend: Optional[str] = None,
     arch: Optional[str] = None,
+    path: str = "auto",
     config_dir: str = CONFIG_DIR,
 ) -> FusedMoEConfig:
     """Picks the fused-kernel config for one problem (see the module docstring).
 
     ``backend`` ("cuda"/"hip") and ``arch`` (e.g. "gfx950") default to the current device;
-    ``fmoe2.codegen`` passes them to pick configs for a GPU that is not there.
+    ``fmoe2.codegen`` passes them to pick configs for a GPU that is not there. ``path`` ("fused"
+    or "two_stage") forces a path; the picked tiling is then refitted to it.
     """
     backend = backend or current_backend()
     tuned = _load_json(os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
     if tuned:
         nearest = min(tuned, key=lambda m: (abs(int(m) - M), int(m)))
-        return _clamp(FusedMoEConfig.from_dict(tuned[nearest]), H, I, topk, dtype)
+        return _for_path(fit_config(FusedMoEConfig.from_dict(tuned[nearest]), H, I, topk, dtype), path, H, I, topk,
+                         dtype)
 
     defaults = _load_json(os.path.join(config_dir, "defaults.json"))
     rules = defaults.get(arch or _arch_key(device) or "", None) or defaults[backend]
     tokens_per_expert = M * topk / E
     rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])
-    return _clamp(FusedMoEConfig.from_dict(rule), H, I, topk, dtype)
+    return _for_path(fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype), path, H, I, topk, dtype)
+
+
+def _for_path(cfg: FusedMoEConfig, path: str, H: int, I: int, topk: int, dtype: torch.dtype) -> FusedMoEConfig:
+    if path in ("auto", cfg.path):
+        return cfg
+    return fit_config(replace(cfg, path=path), H, I, topk, dtype)

@@ -10,7 +10,7 @@ import triton
 from .._validation import FLOAT_DTYPES, ID_DTYPES, check_no_overlap, check_same_device, check_tensor
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from .config import PATHS, FusedMoEConfig, current_backend, get_config
+from .config import PATHS, FusedMoEConfig, current_backend, fit_config, get_config
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
@@ -179,10 +179,12 @@ def fused_moe(
         out = torch.empty_like(hidden_states)
     if M == 0:
         return out
-    config = config or get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk,
-                                  hidden_states.dtype, device=hidden_states.device)
-    if path != "auto" and path != config.path:
-        config = replace(config, path=path)
+    if config is None:
+        config = get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk, hidden_states.dtype,
+                            device=hidden_states.device, path=path)
+    elif path not in ("auto", config.path):
+        config = fit_config(replace(config, path=path), H, problem.intermediate_size, problem.topk,
+                            hidden_states.dtype)
     backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
     launch_moe_sorting(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out)

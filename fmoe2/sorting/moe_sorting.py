@@ -22,7 +22,8 @@ Contract (worked example, M=4 tokens, topk=2, E=4 experts, block_m=4)::
 
 Design: program ``e < E`` owns expert ``e``. It builds the full expert histogram (to know where
 its region starts: the padded counts of experts ``< e``), then scans the routing again and
-scatters its own entries with a running prefix sum. Programs ``>= E`` zero the output buffer.
+scatters its own entries with a running prefix sum. A few extra programs, launched first, zero
+the output buffer.
 Every program reads ``M*topk`` ids twice, which is far under the cost of the GEMM that follows
 and avoids a grid-wide barrier (Triton has none), keeping the sort to a single launch.
 """
@@ -38,9 +39,9 @@ import triton.language as tl
 from .._validation import ID_DTYPES, FLOAT_DTYPES, check_positive_int, check_same_device, check_tensor
 
 # Output zeroing: elements per store and the most programs that zero (each loops).
-ZERO_BLOCK = 4096
-MAX_ZERO_PROGRAMS = 1024
-MAX_SCAN_BLOCK = 2048
+ZERO_BLOCK = 8192
+MAX_ZERO_PROGRAMS = 256
+MAX_SCAN_BLOCK = 4096
 SORT_NUM_WARPS = 8
 
 
@@ -124,20 +125,20 @@ def _moe_sorting_kernel(
     ZERO_BLOCK: tl.constexpr,
     NUM_ZERO_PROGRAMS: tl.constexpr,
 ):
-    """Grid: (NUM_EXPERTS + NUM_ZERO_PROGRAMS,). Program e < NUM_EXPERTS sorts expert e;
-    the rest zero ``out``."""
+    """Grid: (NUM_ZERO_PROGRAMS (if ZERO_OUT) + NUM_EXPERTS,). The first programs zero ``out``
+    (dispatched first, they finish while the sort runs); program ``NUM_ZERO_PROGRAMS + e`` sorts expert e."""
     pid = tl.program_id(0)
-    if pid >= NUM_EXPERTS:
-        if ZERO_OUT:
+    if ZERO_OUT:
+        if pid < NUM_ZERO_PROGRAMS:
             zero_offs = tl.arange(0, ZERO_BLOCK)
             zeros = tl.zeros([ZERO_BLOCK], dtype=out_ptr.dtype.element_ty)
-            first = (pid - NUM_EXPERTS).to(tl.int64) * ZERO_BLOCK
-            for start in range(first, out_numel, NUM_ZERO_PROGRAMS * ZERO_BLOCK):
+            for start in range(pid.to(tl.int64) * ZERO_BLOCK, out_numel, NUM_ZERO_PROGRAMS * ZERO_BLOCK):
                 offs = start + zero_offs
                 tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
-        return
-
-    expert = pid
+            return
+        expert = pid - NUM_ZERO_PROGRAMS
+    else:
+        expert = pid
     bins = tl.arange(0, NUM_BINS)
     scan = tl.arange(0, SCAN_BLOCK)
 
