@@ -1,9 +1,11 @@
 """Benchmark report: JSON results -> markdown table and plots.
 
-    python -m fmoe2.bench.report [misc/bench] [DEVICE_NAME]
+    python -m fmoe2.bench.report [misc/bench] [DEVICE_NAME] [--write-configs]
 
 Reads ``<dir>/<device>__*.json`` (written by ``python -m fmoe2.bench``) and writes
-``<dir>/<device>.md`` plus ``<dir>/../<device>_speedup.png`` and ``..._floor.png``.
+``<dir>/<device>.md`` plus ``<dir>/../<device>_speedup.png`` and ``..._floor.png``. With
+``--write-configs`` it also stores fmoe2's searched configs as tuned files under
+``fmoe2/gemm/configs/<device>/`` (the benchmark's search is the tuner's search).
 """
 from __future__ import annotations
 
@@ -92,11 +94,37 @@ def write_report(out_dir: str, device: str, plot_dir: str = None) -> str:
     return "\n".join(md[-1:]) + "\n" + f"wrote {md_path} " + " ".join(plots)
 
 
+def write_tuned_configs(out_dir: str, device: str, config_dir: str):
+    """fmoe2's best config per batch size, per shape, as the tuned files :func:`fmoe2.get_config` reads."""
+    import torch
+
+    from ..gemm.config import shape_file_name
+
+    paths = []
+    for run in _load(out_dir, device):
+        rs = run["results"]
+        if not rs:
+            continue
+        r0 = rs[0]
+        path = os.path.join(config_dir, device, shape_file_name(r0["E"], r0["H"], r0["I"], r0["topk"], torch.bfloat16))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({str(r["M"]): r["fmoe2_config"] for r in rs}, f, indent=1)
+            f.write("\n")
+        paths.append(path)
+    return paths
+
+
 if __name__ == "__main__":
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join("misc", "bench")
-    if len(sys.argv) > 2:
-        devices = [sys.argv[2]]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out_dir = args[0] if args else os.path.join("misc", "bench")
+    if len(args) > 1:
+        devices = [args[1]]
     else:
         devices = sorted({os.path.basename(p).split("__")[0] for p in glob.glob(os.path.join(out_dir, "*__*.json"))})
     for d in devices:
         print(write_report(out_dir, d))
+        if "--write-configs" in sys.argv:
+            from ..gemm.config import CONFIG_DIR
+
+            print("\n".join(write_tuned_configs(out_dir, d, CONFIG_DIR)))

@@ -12,6 +12,9 @@ Each output element therefore receives ``topk * ceil(I / BLOCK_N)`` atomic adds 
 dtype. Programs are ordered so the slices of GROUP_M neighbouring tiles run together: with
 GROUP_M=1 all slices of one tile are adjacent in launch order (its output rows stay hot in L2
 while they are added to); a larger GROUP_M lets tiles of one expert share weight slices in L2.
+
+With ``STORE_Y`` the kernel is stage 1 of the two-stage path: it stores ``y`` (routing weight
+applied) in sorted row order and skips the down GEMM, which ``grouped_gemm_kernel`` then does.
 """
 import triton
 import triton.language as tl
