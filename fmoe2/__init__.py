@@ -1,8 +1,9 @@
-"""fmoe2: a two-launch, zero-workspace fused Mixture-of-Experts forward pass in Triton.
+"""fmoe2: a fused Mixture-of-Experts forward pass in Triton (two launches and zero workspace on
+the fused path; a three-launch two-stage path where it measures faster).
 
 * :func:`moe_sorting` - routing -> expert-major tiles, zeroing the output in the same launch;
 * :func:`fused_moe` - sort + one fused kernel (gate+up GEMM, activation, routing weight,
-  down GEMM with atomic adds);
+  down GEMM with atomic adds), or sort + two stages for large batches;
 * :func:`prepare_weights` - one-time conversion of expert weights to the prepared layout;
 * :mod:`fmoe2.reference` - pure-torch references of both ops.
 """

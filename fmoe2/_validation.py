@@ -6,6 +6,7 @@ reads device memory, so they are CUDA-graph safe.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -71,6 +72,20 @@ def check_positive_int(name: str, v) -> int:
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
     return v
+
+
+def on_device(t: torch.Tensor):
+    """Context in which Triton launches on ``t``'s GPU (it launches on the current device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def check_out_overlaps(out: Optional[torch.Tensor], **inputs) -> None:
+    """Refuses an ``out`` that shares memory with any input (it is zeroed while they are read)."""
+    if out is None:
+        return
+    for name, t in inputs.items():
+        if t is not None:
+            check_no_overlap("out", out, name, t)
 
 
 def check_no_overlap(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ from .gemm.fused_moe import MoEProblem, fused_kernel_launch, grid_tiles, stage2_
 from .gemm.fused_moe_kernel import _fused_moe_kernel
 from .gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from .gemm.layout import _round_up
+from .shapes import SHAPES
 from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sorting_kernel_launch
 
 TARGETS = {
@@ -43,11 +44,6 @@ TARGETS = {
     "gfx942": GPUTarget("hip", "gfx942", 64),
     "gfx950": GPUTarget("hip", "gfx950", 64),
 }
-SHAPES = {
-    "mixtral-8x7b": (8, 4096, 14336, 2),
-    "qwen3-30b-a3b": (128, 2048, 768, 8),
-    "deepseek-v2-lite": (64, 2048, 1408, 6),
-}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64"}
@@ -55,12 +51,15 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 def _signature(fn, args: dict, constexprs: dict, backend: str):
     """Signature and attributes as Triton's JIT derives them from real arguments."""
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
+    signature, attrs, constexprs = {}, {}, dict(constexprs)
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
         v = args[name]
+        if isinstance(v, int) and not isinstance(v, bool) and v == 1 and not param.do_not_specialize:
+            signature[name], constexprs[name] = "constexpr", 1  # the JIT specialises ints equal to 1
+            continue
         if isinstance(v, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[v.dtype]
             hints = [["tt.divisibility", 16]]  # fresh allocations are 256-byte aligned
@@ -75,7 +74,7 @@ def _signature(fn, args: dict, constexprs: dict, backend: str):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             raise TypeError(f"cannot type argument {name}={v!r}")
-    return signature, attrs
+    return signature, attrs, constexprs
 
 
 def _tool(name: str) -> str:
@@ -146,9 +145,9 @@ def _report_hip(compiled) -> dict:
 
 
 def _compile(fn, grid, args, constexprs, options, target: GPUTarget) -> dict:
-    signature, attrs = _signature(fn, args, constexprs, target.backend)
+    signature, attrs, constexprs = _signature(fn, args, constexprs, target.backend)
     t0 = time.time()
-    src = ASTSource(fn=fn, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=target, options=dict(options))
     report = {"compile_seconds": round(time.time() - t0, 2), "grid": list(grid),
               "num_warps": options.get("num_warps"), "num_stages": options.get("num_stages")}

@@ -16,9 +16,10 @@ import sys
 import torch
 
 import fmoe2
-from fmoe2.bench.__main__ import SHAPES, make_inputs
+from fmoe2.bench.__main__ import make_inputs
 from fmoe2.bench.search import fmoe2_candidates, search
 from fmoe2.gemm.config import CONFIG_DIR, device_config_name, shape_file_name
+from fmoe2.shapes import SHAPES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 import fmoe2
+import fmoe2.shapes
 from fmoe2 import fused_moe, moe_sorting, prepare_weights
 from helpers import REL_TOL, make_problem, poisoned, rel_error
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = {"mixtral-8x7b": (8, 4096, 14336, 2), "qwen3-30b-a3b": (128, 2048, 768, 8)}
-_weights_cache = {}
+SHAPES = {name: fmoe2.shapes.SHAPES[name] for name in ("mixtral-8x7b", "qwen3-30b-a3b")}
 
 
 def problem(shape, M, dtype, seed):

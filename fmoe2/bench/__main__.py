@@ -1,7 +1,7 @@
 """Benchmark: ``python -m fmoe2.bench`` — fmoe2 vs a vLLM-style Triton path, end to end, bf16.
 
     python -m fmoe2.bench [--shapes mixtral-8x7b,qwen3-30b-a3b,deepseek-v2-lite | --shape E,H,I,topk]
-                          [--m 1,16,128,1024,4096] [--no-search] [--out-dir misc/bench] [--configs-out DIR]
+                          [--m 1,16,128,1024,4096] [--no-search] [--out-dir misc/bench]
 
 Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
 get their best config from the same search space (``fmoe2/bench/search.py``), are checked against
@@ -9,7 +9,8 @@ the float32 reference, then timed like vLLM's benchmark_moe.py (10 calls in one 
 CUDA events, median of replays). Everything a caller pays is inside the timed call. The same run
 measures the device ceilings (copy bandwidth, bf16 matmul rate) for the floor
 ``max(bytes of the experts hit + activations / bandwidth, flops / rate)``.
-Writes ``<out-dir>/<device>__<shape>.json`` and regenerates ``<out-dir>/<device>.md`` and the plots.
+Writes ``<out-dir>/<device>__<shape>.json`` and regenerates ``<out-dir>/<device>.md`` and the plots;
+``python -m fmoe2.bench.report --write-configs`` turns fmoe2's searched configs into tuned files.
 """
 from __future__ import annotations
 
@@ -25,18 +26,14 @@ import torch
 import triton
 
 import fmoe2
-from fmoe2.gemm.config import device_config_name, shape_file_name
+from fmoe2.gemm.config import device_config_name
+from fmoe2.shapes import SHAPES
 
 from .report import write_report
 from .search import baseline_candidates, fmoe2_candidates, search
 from .timing import time_in_graph
 from .vllm_style import vllm_style_fused_experts
 
-SHAPES = {
-    "mixtral-8x7b": (8, 4096, 14336, 2),
-    "qwen3-30b-a3b": (128, 2048, 768, 8),
-    "deepseek-v2-lite": (64, 2048, 1408, 6),
-}
 BF16_TOL = 2.5e-2
 
 
@@ -73,13 +70,13 @@ def try_vllm():
     return fused_experts
 
 
-def bench_shape(name, shape, ms, do_search, ceilings, gen, configs_out):
+def bench_shape(name, shape, ms, do_search, ceilings, gen):
     E, H, I, topk = shape
     w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
     prepared = fmoe2.prepare_weights(w1, w2)
     vllm_fused_experts = try_vllm()
-    rows, tuned = [], {}
+    rows = []
     for M in ms:
         x, tw, ti = make_inputs(M, E, H, I, topk, gen)
         out = torch.empty_like(x)
@@ -103,7 +100,6 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen, configs_out):
         else:
             f_cfg, b_cfgs = default_cfg, baseline_candidates(M, E, topk)[0]
             fused_cfg = f_cfg if f_cfg.path == "fused" else None
-        tuned[str(M)] = f_cfg.to_dict()
 
         ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti)
         err_f = rel_err(fmoe2.fused_moe(x, prepared, None, tw, ti, config=f_cfg), ref)
@@ -130,11 +126,6 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen, configs_out):
               flush=True)
         if max(err_f, err_b) > BF16_TOL or not (math.isfinite(err_f) and math.isfinite(err_b)):
             raise SystemExit(f"{name} M={M}: result off (fmoe2 {err_f:.2e}, baseline {err_b:.2e})")
-    if configs_out and do_search:
-        path = os.path.join(configs_out, device_config_name(), shape_file_name(E, H, I, topk, torch.bfloat16))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(tuned, f, indent=1)
     return rows
 
 
@@ -145,7 +136,6 @@ def main(argv=None) -> int:
     p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
     p.add_argument("--no-search", action="store_true", help="use default configs instead of searching")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"))
-    p.add_argument("--configs-out", default=None, help="write fmoe2's tuned configs under this configs folder")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -169,7 +159,7 @@ def main(argv=None) -> int:
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     os.makedirs(a.out_dir, exist_ok=True)
     for name, shape in shapes.items():
-        rows = bench_shape(name, shape, ms, not a.no_search, ceilings, gen, a.configs_out)
+        rows = bench_shape(name, shape, ms, not a.no_search, ceilings, gen)
         path = os.path.join(a.out_dir, f"{device_config_name()}__{name}.json")
         with open(path, "w") as f:
             json.dump({**meta, "results": rows}, f, indent=1)

@@ -72,7 +72,7 @@ def _topk_sum_kernel(
 
 def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, cfg: GroupedGemmConfig):
     E, N, K = b.shape
-    num_grid_tiles = min(max_busy_tiles(num_entries, E, cfg.BLOCK_M), sorting.sorted_expert_ids.numel())
+    num_grid_tiles = max_busy_tiles(num_entries, E, cfg.BLOCK_M)
     grid = (num_grid_tiles * triton.cdiv(N, cfg.BLOCK_N),)
     _grouped_gemm_kernel[grid](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights,

@@ -68,8 +68,14 @@ class FusedMoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"config {name} must be a power of two >= 16, got {v!r}")
-        if self.GROUP_M < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"config GROUP_M, num_warps and num_stages must be >= 1: {self}")
+        for name in ("num_warps", "s2_num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"config {name} must be a power of two >= 1, got {v!r}")
+        for name in ("GROUP_M", "S2_GROUP_M", "num_stages", "s2_num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"config {name} must be an int >= 1, got {v!r}")
 
     def launch_options(self, backend: str, stage2: bool = False) -> Dict[str, int]:
         """Keyword options for the Triton launch on ``backend`` ("cuda" or "hip")."""
@@ -136,7 +142,7 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     if dtype in (torch.bfloat16, torch.float16) and cfg.path == "fused":
         while topk * triton.cdiv(I, block_n) > MAX_ATOMIC_ADDS and block_n < min(MAX_BLOCK_N, triton.next_power_of_2(I)):
             block_n *= 2
-        if block_n > cfg.BLOCK_N and cfg.path == "fused":
+        if block_n > cfg.BLOCK_N:
             # Keep the widened weight tiles' shared memory and the accumulator's registers in budget.
             block_k = max(16, min(block_k, MAX_WEIGHT_TILE // (2 * block_n)))
             block_h = max(16, min(block_h, MAX_WEIGHT_TILE // block_n))
@@ -167,14 +173,18 @@ def get_config(
     ``fmoe2.codegen`` passes them to pick configs for a GPU that is not there. ``path`` ("fused"
     or "two_stage") forces a path; the picked tiling is then refitted to it.
     """
+    # Tuned files belong to the GPU that is here: not used when configs for another backend/arch are asked.
+    foreign = (backend is not None and backend != current_backend()) or arch is not None
     backend = backend or current_backend()
-    tuned = _load_json(os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
+    tuned = None if foreign else _load_json(
+        os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
     if tuned:
         nearest = min(tuned, key=lambda m: (abs(int(m) - M), int(m)))
         return _for_path(fit_config(FusedMoEConfig.from_dict(tuned[nearest]), H, I, topk, dtype), path, H, I, topk,
                          dtype)
 
-    defaults = _load_json(os.path.join(config_dir, "defaults.json"))
+    defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
+        os.path.join(CONFIG_DIR, "defaults.json"))
     rules = defaults.get(arch or _arch_key(device) or "", None) or defaults[backend]
     tokens_per_expert = M * topk / E
     rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])

@@ -1,4 +1,5 @@
-"""Public ``fused_moe``: argument checks, config pick, then exactly two launches (sort, fused GEMM)."""
+"""Public ``fused_moe``: argument checks, config pick, then the launches: sort + fused kernel
+(fused path, zero workspace) or sort + stage 1 + stage 2 (two-stage path)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -7,7 +8,7 @@ from typing import Optional, Union
 import torch
 import triton
 
-from .._validation import FLOAT_DTYPES, ID_DTYPES, check_no_overlap, check_same_device, check_tensor
+from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
 from .config import PATHS, FusedMoEConfig, current_backend, fit_config, get_config
@@ -45,8 +46,13 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
             raise ValueError(f"prepared weights have hidden size {w1.hidden_size} but hidden_states has H={H}")
         E, inter = w1.num_experts, w1.intermediate_size
         w1_t, w2_t, interleaved = w1.w13, w1.w2, True
-        check_tensor("w1.w13", w1_t, ndim=3, dtypes=(dtype,))
-        check_tensor("w1.w2", w2_t, ndim=3, dtypes=(dtype,))
+        check_tensor("w1.w13", w1_t, ndim=3, dtypes=(dtype,), shape_doc="[E, 2*I_pad, H_pad]")
+        check_tensor("w1.w2", w2_t, ndim=3, dtypes=(dtype,), shape_doc="[E, H_pad, I_pad]")
+        if (w1_t.shape[1] % 2 or w1_t.shape[1] < 2 * inter or w1_t.shape[2] < H or w2_t.shape[0] != E
+                or w2_t.shape[1] < H or w2_t.shape[2] < inter):
+            raise ValueError(f"prepared weights are inconsistent with H={H}, I={inter}, E={E}: w13 "
+                             f"{tuple(w1_t.shape)} must be [E, 2*I_pad, H_pad] and w2 {tuple(w2_t.shape)} "
+                             f"[E, H_pad, I_pad] with I_pad >= I and H_pad >= H")
     else:
         check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]")
         if w1.dtype != dtype:
@@ -57,6 +63,8 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         inter = two_i // 2
         check_tensor("w2", w2, dtypes=(dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]")
         w1_t, w2_t, interleaved = w1, w2, False
+    if E < 1 or inter < 1 or H < 1:
+        raise ValueError(f"w1 must have E >= 1 experts and H, I >= 1, got E={E}, H={H}, I={inter}")
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc=f"[M, topk] with M={M}")
     if topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must have shape [M, topk] with M={M} and topk >= 1, got {tuple(topk_ids.shape)}")
@@ -67,9 +75,12 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), shape_doc="[num_global_experts]")
+        if expert_map.numel() < 1:
+            raise ValueError("expert_map must have at least one entry")
     if out is not None:
         check_tensor("out", out, dtypes=(dtype,), shape=(M, H), shape_doc=f"[M, H] = [{M}, {H}]")
-        check_no_overlap("out", out, "hidden_states", hidden_states)
+        check_out_overlaps(out, hidden_states=hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
+                           topk_ids=topk_ids, expert_map=expert_map)
     if path not in ("auto",) + PATHS:
         raise ValueError(f"path must be one of {('auto',) + PATHS}, got {path!r}")
     if config is not None and not isinstance(config, FusedMoEConfig):
@@ -81,8 +92,7 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
 
 def grid_tiles(problem: MoEProblem, sorting: MoESortingResult) -> int:
     """Tiles the grids are sized for: the most any routing can fill (see ``max_busy_tiles``)."""
-    num_entries = problem.x.shape[0] * problem.topk
-    return min(max_busy_tiles(num_entries, problem.num_experts, sorting.block_m), sorting.sorted_expert_ids.numel())
+    return max_busy_tiles(problem.x.shape[0] * problem.topk, problem.num_experts, sorting.block_m)
 
 
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
@@ -162,7 +172,8 @@ def fused_moe(
         path: ``"auto"`` (the config's path: tuned per device, batch and shape), ``"fused"``
             (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
             the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
-            atomic adds per output element; workspace ``(M*topk + E*(BLOCK_M-1)) x I`` elements).
+            atomic adds per output element; workspace ``y`` of at most
+            ``(M*topk + min(E, M*topk)*(BLOCK_M-1)) x I`` elements).
 
     Returns:
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
@@ -182,9 +193,16 @@ def fused_moe(
     if config is None:
         config = get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk, hidden_states.dtype,
                             device=hidden_states.device, path=path)
-    elif path not in ("auto", config.path):
-        config = fit_config(replace(config, path=path), H, problem.intermediate_size, problem.topk,
-                            hidden_states.dtype)
+    else:  # a caller's config is fitted like a picked one (clamps, atomic-add precision cap)
+        config = fit_config(config if path in ("auto", config.path) else replace(config, path=path), H,
+                            problem.intermediate_size, problem.topk, hidden_states.dtype)
+    with on_device(hidden_states):
+        _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config)
+    return out
+
+
+def _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config):
+    M = hidden_states.shape[0]
     backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
     launch_moe_sorting(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out)
@@ -197,4 +215,3 @@ def fused_moe(
     if y is not None:
         grid, args, constexprs, options = stage2_kernel_launch(problem, out, sorting, y, config, backend)
         _grouped_gemm_kernel[grid](**args, **constexprs, **options)
-    return out

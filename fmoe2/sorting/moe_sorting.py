@@ -36,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validation import ID_DTYPES, FLOAT_DTYPES, check_positive_int, check_same_device, check_tensor
+from .._validation import (
+    FLOAT_DTYPES,
+    ID_DTYPES,
+    check_out_overlaps,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+    on_device,
+)
 
 # Output zeroing: elements per store and the most programs that zero (each loops).
 ZERO_BLOCK = 8192
@@ -89,15 +97,15 @@ def max_busy_tiles(num_entries: int, num_experts: int, block_m: int) -> int:
 def _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, valid, num_global_experts,
                          NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr):
     """Local expert id of each routing entry, and whether it is kept (in range after mapping)."""
-    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1)  # int32 or int64: range-check before narrowing
     if HAS_EXPERT_MAP:
         in_range = valid & (ids >= 0) & (ids < num_global_experts)
-        ids = tl.load(expert_map_ptr + ids, mask=in_range, other=-1)
+        ids = tl.load(expert_map_ptr + tl.where(in_range, ids, 0), mask=in_range, other=-1)
     keep = valid & (ids >= 0) & (ids < NUM_EXPERTS)
-    return ids, keep
+    return tl.where(keep, ids, 0).to(tl.int32), keep
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_zero_programs"])
 def _moe_sorting_kernel(
     topk_ids_ptr,  # [M * TOPK] int32/int64, row-major [M, TOPK]
     topk_weights_ptr,  # [M * TOPK] float
@@ -113,6 +121,7 @@ def _moe_sorting_kernel(
     num_global_experts,
     max_num_padded,
     out_numel,
+    num_zero_programs,  # programs that zero ``out`` (a runtime value: no recompile per batch size)
     # meta-parameters
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -123,20 +132,20 @@ def _moe_sorting_kernel(
     EXPANDED_IDS: tl.constexpr,  # store token*TOPK+slot (vLLM's convention, for the baseline) instead of token
     ZERO_OUT: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
-    NUM_ZERO_PROGRAMS: tl.constexpr,
 ):
-    """Grid: (NUM_ZERO_PROGRAMS (if ZERO_OUT) + NUM_EXPERTS,). The first programs zero ``out``
-    (dispatched first, they finish while the sort runs); program ``NUM_ZERO_PROGRAMS + e`` sorts expert e."""
+    """Grid: (num_zero_programs (if ZERO_OUT) + NUM_EXPERTS,). The first programs zero ``out``
+    (dispatched first, they finish while the sort runs); program ``num_zero_programs + e`` sorts expert e."""
     pid = tl.program_id(0)
     if ZERO_OUT:
-        if pid < NUM_ZERO_PROGRAMS:
+        if pid < num_zero_programs:
             zero_offs = tl.arange(0, ZERO_BLOCK)
             zeros = tl.zeros([ZERO_BLOCK], dtype=out_ptr.dtype.element_ty)
-            for start in range(pid.to(tl.int64) * ZERO_BLOCK, out_numel, NUM_ZERO_PROGRAMS * ZERO_BLOCK):
+            step = num_zero_programs.to(tl.int64) * ZERO_BLOCK
+            for start in range(pid.to(tl.int64) * ZERO_BLOCK, out_numel, step):
                 offs = start + zero_offs
                 tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
             return
-        expert = pid - NUM_ZERO_PROGRAMS
+        expert = pid - num_zero_programs
     else:
         expert = pid
     bins = tl.arange(0, NUM_BINS)
@@ -218,6 +227,7 @@ def _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, exper
     if out is not None:
         check_tensor("out", out, dtypes=None)
     check_same_device("topk_ids", topk_ids, topk_weights=topk_weights, expert_map=expert_map, out=out)
+    check_out_overlaps(out, topk_ids=topk_ids, topk_weights=topk_weights, expert_map=expert_map)
 
 
 def moe_sorting(
@@ -277,6 +287,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         num_global_experts=expert_map.numel() if expert_map is not None else num_experts,
         max_num_padded=result.sorted_token_ids.numel(),
         out_numel=out_numel,
+        num_zero_programs=num_zero_programs,
     )
     constexprs = dict(
         TOPK=topk,
@@ -288,7 +299,6 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         EXPANDED_IDS=expanded_ids,
         ZERO_OUT=num_zero_programs > 0,
         ZERO_BLOCK=ZERO_BLOCK,
-        NUM_ZERO_PROGRAMS=max(num_zero_programs, 1),
     )
     return grid, args, constexprs, {"num_warps": SORT_NUM_WARPS}
 
@@ -301,4 +311,5 @@ def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, res
     """
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
                                                             out, expanded_ids)
-    _moe_sorting_kernel[grid](**args, **constexprs, **options)
+    with on_device(topk_ids):
+        _moe_sorting_kernel[grid](**args, **constexprs, **options)

@@ -8,15 +8,16 @@ from fmoe2.gemm.config import FusedMoEConfig, device_config_name, get_config, sh
 
 
 def test_defaults_follow_tokens_per_expert_and_clamp():
-    small = get_config(1, 128, 2048, 768, 8, torch.bfloat16, backend="cuda")
-    large = get_config(16384, 8, 4096, 14336, 2, torch.bfloat16, backend="cuda")
+    cpu = torch.device("cpu")  # no tuned file: the defaults are under test
+    small = get_config(1, 128, 2048, 768, 8, torch.bfloat16, backend="cuda", device=cpu)
+    large = get_config(16384, 8, 4096, 14336, 2, torch.bfloat16, backend="cuda", device=cpu)
     assert small.BLOCK_M <= large.BLOCK_M and large.BLOCK_M >= 64
-    tiny = get_config(4, 4, 40, 24, 2, torch.float16, backend="cuda")
+    tiny = get_config(4, 4, 40, 24, 2, torch.float16, backend="cuda", device=cpu)
     assert tiny.BLOCK_N <= 32 and tiny.BLOCK_K <= 64 and tiny.BLOCK_H <= 64
 
 
 def test_hip_options_only_on_hip():
-    cfg = get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="hip")
+    cfg = get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="hip", arch="gfx942")
     assert {"waves_per_eu", "matrix_instr_nonkdim"} <= set(cfg.launch_options("hip"))
     assert set(get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="cuda").launch_options("cuda")) == \
         {"num_warps", "num_stages"}
@@ -39,6 +40,10 @@ def test_tuned_file_nearest_batch(tmp_path):
 def test_invalid_configs_are_refused():
     with pytest.raises(ValueError, match="BLOCK_N must be a power of two >= 16"):
         FusedMoEConfig(BLOCK_M=16, BLOCK_N=24, BLOCK_K=32, BLOCK_H=32)
+    with pytest.raises(ValueError, match="s2_num_warps must be a power of two"):
+        FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, s2_num_warps=3)
+    with pytest.raises(ValueError, match="S2_GROUP_M must be an int >= 1"):
+        FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, S2_GROUP_M=0)
     with pytest.raises(ValueError, match="unknown config keys"):
         FusedMoEConfig.from_dict(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, BLOCK_Q=1))
 
@@ -50,3 +55,17 @@ def test_two_stage_fields_round_trip_and_are_validated():
     assert "S2_BLOCK_N" not in FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16).to_dict()
     with pytest.raises(ValueError, match="config path must be one of"):
         FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="split")
+
+
+def test_tuned_files_are_only_used_for_the_gpu_that_is_here(tmp_path, monkeypatch):
+    import fmoe2.gemm.config as config
+
+    monkeypatch.setattr(config, "device_config_name", lambda device=None: "SOME_GPU")
+    d = tmp_path / "SOME_GPU"
+    d.mkdir()
+    (d / shape_file_name(8, 4096, 14336, 2, torch.bfloat16)).write_text(json.dumps(
+        {"1": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, BLOCK_H=64)}))
+    here = get_config(1, 8, 4096, 14336, 2, torch.bfloat16, config_dir=str(tmp_path), backend=config.current_backend())
+    other = get_config(1, 8, 4096, 14336, 2, torch.bfloat16, config_dir=str(tmp_path), backend="hip", arch="gfx942")
+    assert here.BLOCK_M == 64  # the tuned 128, fitted (fused path, widened BLOCK_N) to the register budget
+    assert other.BLOCK_M == 16 and other.waves_per_eu is not None

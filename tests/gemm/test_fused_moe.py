@@ -158,6 +158,45 @@ def test_bad_input_is_refused_before_launch(mutate, exc, match):
                   expert_map=a["expert_map"], config=a["config"], path=a["path"])
 
 
+def test_nothing_runs_when_an_argument_is_bad():
+    x, w1, w2, tw, ti = _args()
+    out = poisoned(4, 32, torch.float16)
+    with pytest.raises(ValueError):
+        fused_moe(x, w1, w2[:, :, :8].contiguous(), tw, ti, out=out)
+    assert torch.isnan(out).all()  # the sort never zeroed it
+
+
+def test_out_must_not_overlap_any_input():
+    x, w1, w2, tw, ti = _args()
+    with pytest.raises(ValueError, match="out overlaps w2"):
+        fused_moe(x, w1, w2, tw, ti, out=w2.view(-1)[:4 * 32].view(4, 32))
+    weights_in_out = torch.empty(4, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="out overlaps topk_weights"):
+        fused_moe(x, w1, w2, weights_in_out.view(-1).view(torch.float32)[:8].view(4, 2), ti, out=weights_in_out)
+
+
+def test_empty_experts_dimension_and_inconsistent_prepared_weights_are_refused():
+    x, w1, w2, tw, ti = _args()
+    with pytest.raises(ValueError, match="E >= 1"):
+        fused_moe(x, w1[:0], w2[:0], tw, ti)
+    with pytest.raises(ValueError, match="expert_map must have at least one entry"):
+        fused_moe(x, w1, w2, tw, ti, expert_map=torch.empty(0, dtype=torch.int32, device=DEVICE))
+    p = prepare_weights(w1, w2)
+    bad = [fmoe2.PreparedMoEWeights(p.w13, p.w2[:1].contiguous(), 32, 16),
+           fmoe2.PreparedMoEWeights(p.w13, p.w2, 32, 100)]
+    for weights in bad:
+        with pytest.raises(ValueError, match="prepared weights are inconsistent"):
+            fused_moe(x, weights, None, tw, ti)
+
+
+def test_int64_ids_beyond_int32_are_dropped_not_wrapped():
+    x, w1, w2, tw, ti = make_problem(3, 2, 32, 16, 1, torch.float32, id_dtype=torch.int64)
+    ti[1, 0] = 2**32 + 1  # would alias expert 1 if narrowed before the range check
+    out = fused_moe(x, w1, w2, tw, ti, out=poisoned(3, 32, torch.float32))
+    assert (out[1] == 0).all()
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
 def test_prepared_weights_must_match_input():
     x, w1, w2, tw, ti = _args()
     with pytest.raises(TypeError, match="prepared weights have dtype"):

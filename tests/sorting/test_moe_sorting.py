@@ -105,6 +105,13 @@ def test_negative_ids_are_dropped():
     assert res.num_tokens_post_padded.item() == 32
 
 
+def test_out_overlapping_routing_is_refused():
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)
+    w = torch.rand(4, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="out overlaps topk_weights"):
+        moe_sorting(ids, w, 4, 16, out=w)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_zeroes_out_in_the_same_launch(dtype):
     out = torch.full((37, 4133), float("nan"), dtype=dtype, device=DEVICE)  # > one zeroing block, odd size
