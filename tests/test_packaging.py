@@ -14,5 +14,9 @@ def test_config_files_are_package_data():
     shipped = [os.path.relpath(os.path.join(d, f), gemm) for d, _, fs in os.walk(os.path.join(gemm, "configs"))
                for f in fs if f.endswith(".json")]
     assert len(shipped) >= 7  # defaults + tuned files for two GPUs
-    missing = [p for p in shipped if not any(fnmatch.fnmatch(p, g) for g in globs)]
+    def matches(path, glob):  # setuptools globs: "*" stays within one folder
+        parts, pattern = path.split(os.sep), glob.split("/")
+        return len(parts) == len(pattern) and all(fnmatch.fnmatch(a, b) for a, b in zip(parts, pattern))
+
+    missing = [p for p in shipped if not any(matches(p, g) for g in globs)]
     assert not missing, f"not in package data: {missing}"
