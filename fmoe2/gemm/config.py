@@ -133,8 +133,13 @@ def _arch_key(device) -> Optional[str]:
     return arch.split(":")[0] or None
 
 
-def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype) -> FusedMoEConfig:
-    """Clamps a config to the problem (see the module docstring); every config used goes through here."""
+def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto") -> FusedMoEConfig:
+    """Clamps a config to the problem (see the module docstring); every config used goes through here.
+
+    ``path`` ("fused"/"two_stage") switches the config's path first; "auto" keeps it.
+    """
+    if path not in ("auto", cfg.path):
+        cfg = replace(cfg, path=path)
     def cap(block, dim):
         return max(16, min(block, triton.next_power_of_2(dim)))
 
@@ -180,18 +185,11 @@ def get_config(
         os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
     if tuned:
         nearest = min(tuned, key=lambda m: (abs(int(m) - M), int(m)))
-        return _for_path(fit_config(FusedMoEConfig.from_dict(tuned[nearest]), H, I, topk, dtype), path, H, I, topk,
-                         dtype)
+        return fit_config(FusedMoEConfig.from_dict(tuned[nearest]), H, I, topk, dtype, path)
 
     defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
         os.path.join(CONFIG_DIR, "defaults.json"))
     rules = defaults.get(arch or _arch_key(device) or "", None) or defaults[backend]
     tokens_per_expert = M * topk / E
     rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])
-    return _for_path(fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype), path, H, I, topk, dtype)
-
-
-def _for_path(cfg: FusedMoEConfig, path: str, H: int, I: int, topk: int, dtype: torch.dtype) -> FusedMoEConfig:
-    if path in ("auto", cfg.path):
-        return cfg
-    return fit_config(replace(cfg, path=path), H, I, topk, dtype)
+    return fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype, path)

@@ -2,7 +2,7 @@
 (fused path, zero workspace) or sort + stage 1 + stage 2 (two-stage path)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -194,8 +194,7 @@ def fused_moe(
         config = get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk, hidden_states.dtype,
                             device=hidden_states.device, path=path)
     else:  # a caller's config is fitted like a picked one (clamps, atomic-add precision cap)
-        config = fit_config(config if path in ("auto", config.path) else replace(config, path=path), H,
-                            problem.intermediate_size, problem.topk, hidden_states.dtype)
+        config = fit_config(config, H, problem.intermediate_size, problem.topk, hidden_states.dtype, path)
     with on_device(hidden_states):
         _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config)
     return out

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from fmoe2.gemm.config import FusedMoEConfig, device_config_name, get_config, shape_file_name
+from fmoe2.gemm.config import FusedMoEConfig, device_config_name, fit_config, get_config, shape_file_name
 
 
 def test_defaults_follow_tokens_per_expert_and_clamp():
@@ -69,3 +69,12 @@ def test_tuned_files_are_only_used_for_the_gpu_that_is_here(tmp_path, monkeypatc
     other = get_config(1, 8, 4096, 14336, 2, torch.bfloat16, config_dir=str(tmp_path), backend="hip", arch="gfx942")
     assert here.BLOCK_M == 64  # the tuned 128, fitted (fused path, widened BLOCK_N) to the register budget
     assert other.BLOCK_M == 16 and other.waves_per_eu is not None
+
+
+def test_fit_config_switches_path_and_applies_the_precision_cap():
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_H=64)
+    fused = fit_config(cfg, 4096, 14336, 2, torch.bfloat16)
+    assert fused.path == "fused" and 2 * -(-14336 // fused.BLOCK_N) <= 128
+    two = fit_config(cfg, 4096, 14336, 2, torch.bfloat16, path="two_stage")
+    assert two.path == "two_stage" and two.BLOCK_N == 16  # the cap is for the fused path only
+    assert fit_config(fused, 4096, 14336, 2, torch.bfloat16) == fused  # idempotent
