@@ -5,9 +5,11 @@ the fused path; a three-launch two-stage path where it measures faster).
 * :func:`fused_moe` - sort + one fused kernel (gate+up GEMM, activation, routing weight,
   down GEMM with atomic adds), or sort + two stages for large batches;
 * :func:`prepare_weights` - one-time conversion of expert weights to the prepared layout;
+* :class:`MoELoRA` / :func:`prepare_lora` - multi-LoRA adapters computed inside the fused kernel;
 * :mod:`fmoe2.reference` - pure-torch references of both ops.
 """
-from .gemm import FusedMoEConfig, PreparedMoEWeights, fused_moe, get_config, prepare_weights
+from .gemm import (FusedMoEConfig, MoELoRA, PreparedMoELoRA, PreparedMoEWeights, fused_moe, get_config, prepare_lora,
+                   prepare_weights)
 from .reference import fused_moe_reference, moe_sorting_reference
 from .sorting import MoESortingResult, moe_sorting
 
@@ -17,6 +19,9 @@ __all__ = [
     "moe_sorting",
     "prepare_weights",
     "PreparedMoEWeights",
+    "MoELoRA",
+    "prepare_lora",
+    "PreparedMoELoRA",
     "MoESortingResult",
     "FusedMoEConfig",
     "get_config",

@@ -1,6 +1,7 @@
 """Code-generation report: compile fmoe2's kernels for a GPU that is not there and read the code.
 
     python -m fmoe2.codegen --target {sm_80,sm_90,gfx942,gfx950} [--shape E,H,I,topk] [--m 1,4096]
+                            [--lora-rank 16 --num-loras 4]
 
 For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
 AMD), spills, shared memory / LDS bytes, the matrix instructions found and the instructions the
@@ -28,11 +29,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .gemm.config import get_config
+from .gemm.config import fit_lora_config, get_config
 from .gemm.fused_moe import MoEProblem, fused_kernel_launch, grid_tiles, stage2_kernel_launch
 from .gemm.fused_moe_kernel import _fused_moe_kernel
 from .gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from .gemm.layout import _round_up
+from .gemm.lora import PreparedMoELoRA, padded_rank
 from .shapes import SHAPES
 from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sorting_kernel_launch
 
@@ -155,12 +157,25 @@ def _compile(fn, grid, args, constexprs, options, target: GPUTarget) -> dict:
     return report
 
 
+def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> PreparedMoELoRA:
+    R_pad, h_pad, i_pad = padded_rank(rank), _round_up(H, 64), _round_up(inter, 64)
+    meta = dict(dtype=dtype, device="meta")
+    return PreparedMoELoRA(
+        a13=torch.empty(num_loras, E, 2 * R_pad, h_pad, **meta), b13=torch.empty(num_loras, E, 2 * inter, 2 * R_pad, **meta),
+        a2=torch.empty(num_loras, E, R_pad, i_pad, **meta), b2=torch.empty(num_loras, E, H, R_pad, **meta),
+        scaling=torch.empty(num_loras, dtype=torch.float32, device="meta"), rank=rank, hidden_size=H,
+        intermediate_size=inter)
+
+
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
-                   prepared: bool = True, activation: str = "silu") -> List[dict]:
+                   prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
+                   num_loras: int = 4) -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
     and ``fused_moe_stage1`` and ``moe_stage2`` too when the picked config uses the two-stage path.
+    With ``lora_rank`` > 0 the fused kernel carries ``num_loras`` adapters of that rank
+    (``fused_moe_lora``; LoRA always runs the fused path).
     """
     target = TARGETS[target_name]
     backend = target.backend
@@ -190,6 +205,16 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, fused_config, backend)
     reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
                     **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+    if lora_rank:
+        problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
+        problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
+        lora_config = fit_lora_config(fused_config)
+        sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta")
+        grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, lora_config, backend)
+        reports.append({"kernel": "fused_moe_lora", **common, "lora": {"rank": lora_rank, "num_loras": num_loras},
+                        "config": lora_config.to_dict(),
+                        **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+        return reports
     if config.path == "two_stage":
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta")
         y = torch.empty(grid_tiles(problem, sorting) * config.BLOCK_M, inter, dtype=dtype, **meta)
@@ -211,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--activation", default="silu", choices=["silu", "gelu", "gelu_tanh"])
     parser.add_argument("--plain", action="store_true", help="plain weight layout instead of prepared")
+    parser.add_argument("--lora-rank", type=int, default=0, help="also compile the fused kernel with LoRA of this rank")
+    parser.add_argument("--num-loras", type=int, default=4, help="adapters with --lora-rank (default 4)")
     a = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
@@ -227,7 +254,8 @@ def main(argv=None) -> int:
     except ValueError:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
-        for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation):
+        for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
+                                     a.num_loras):
             print(json.dumps(report))
     return 0
 

@@ -76,8 +76,14 @@ def fused_moe_reference(
     activation: str = "silu",
     out: Optional[torch.Tensor] = None,
     expert_map: Optional[torch.Tensor] = None,
+    lora=None,
+    token_lora_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k w[t,k] * (act(x_t Wg_e^T) * (x_t Wu_e^T)) Wd_e^T`` with ``e = topk_ids[t,k]``.
+
+    With ``lora`` (:class:`fmoe2.MoELoRA` or its prepared form) and ``token_lora_ids`` ``[M]``,
+    a token with adapter ``l`` in ``[0, max_loras)`` adds ``s_l * (v A[l,e]^T) B[l,e]^T`` to each
+    of its gate, up and down projections (``v`` = the projection's input).
 
     Args match :func:`fmoe2.fused_moe` (``w1`` may be a :class:`fmoe2.PreparedMoEWeights`).
     Computes in float32, or float64 when ``hidden_states`` is float64, and returns
@@ -89,16 +95,41 @@ def fused_moe_reference(
     E, two_i, _ = w1.shape
     inter = two_i // 2
     ids = local_expert_ids(topk_ids, E, expert_map)
+    if lora is not None:
+        from .gemm.lora import PreparedMoELoRA
+
+        if isinstance(lora, PreparedMoELoRA):
+            lora = lora.unprepare()
+        lora_ids = token_lora_ids.long()
+        lora_ids = torch.where((lora_ids >= 0) & (lora_ids < lora.num_loras), lora_ids, -1)
+
+    def lora_delta(v, token, a, b, e):
+        """Rows of ``v`` (inputs of tokens ``token``) times their adapters' ``a[l, e]``, ``b[l, e]``."""
+        delta = torch.zeros(v.shape[0], b.shape[2], dtype=compute, device=v.device)
+        for l in range(lora.num_loras):
+            rows = lora_ids[token] == l
+            if rows.any():
+                shrink = v[rows] @ a[l, e].to(compute).T
+                delta[rows] = float(lora.scaling[l]) * (shrink @ b[l, e].to(compute).T)
+        return delta
+
     result = torch.zeros_like(x)
     for e in range(E):
         token, slot = torch.nonzero(ids == e, as_tuple=True)
         if token.numel() == 0:
             continue
         w1e = w1[e].to(compute)
-        gate = x[token] @ w1e[:inter].T
-        up = x[token] @ w1e[inter:].T
+        xe = x[token]
+        gate = xe @ w1e[:inter].T
+        up = xe @ w1e[inter:].T
+        if lora is not None:
+            gate = gate + lora_delta(xe, token, lora.gate_a, lora.gate_b, e)
+            up = up + lora_delta(xe, token, lora.up_a, lora.up_b, e)
         y = apply_activation(gate, activation) * up
-        contrib = (y @ w2[e].to(compute).T) * topk_weights[token, slot].to(compute)[:, None]
+        down = y @ w2[e].to(compute).T
+        if lora is not None:
+            down = down + lora_delta(y, token, lora.down_a, lora.down_b, e)
+        contrib = down * topk_weights[token, slot].to(compute)[:, None]
         result.index_add_(0, token, contrib)
     result = result.to(hidden_states.dtype)
     if out is not None:

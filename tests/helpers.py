@@ -46,3 +46,33 @@ def assert_matches_reference(out, x, w1, w2, topk_weights, topk_ids, **kwargs):
     err = rel_error(out, ref)
     assert err <= REL_TOL[x.dtype], f"relative L2 error {err:.3e} > {REL_TOL[x.dtype]:.1e}"
     return err
+
+
+def make_lora(num_loras, E, H, I, rank, dtype, device=DEVICE, seed=0, experts=None, scaling=None):
+    """Random adapters whose deltas are O(1) like the base terms (so a missing delta shows).
+
+    ``experts``: the experts that have adapters; the others hold zeros.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(1000 + seed)
+
+    def rand(*shape, fan_in):
+        return torch.randn(*shape, generator=gen) / math.sqrt(fan_in)
+
+    t = dict(gate_a=rand(num_loras, E, rank, H, fan_in=H), gate_b=rand(num_loras, E, I, rank, fan_in=rank),
+             up_a=rand(num_loras, E, rank, H, fan_in=H), up_b=rand(num_loras, E, I, rank, fan_in=rank),
+             down_a=rand(num_loras, E, rank, I, fan_in=I), down_b=rand(num_loras, E, H, rank, fan_in=rank))
+    if experts is not None:
+        keep = torch.zeros(E, dtype=torch.bool)
+        keep[list(experts)] = True
+        t = {k: v * keep.view(1, E, 1, 1) for k, v in t.items()}
+    if scaling is None:
+        scaling = [0.5 + 0.25 * l for l in range(num_loras)]
+    return fmoe2.MoELoRA(**{k: v.to(dtype=dtype, device=device) for k, v in t.items()}, scaling=scaling)
+
+
+def make_token_lora_ids(M, num_loras, device=DEVICE, seed=0, none_fraction=0.25):
+    """Adapter per token: uniform over the adapters, ``none_fraction`` of tokens with none (-1)."""
+    gen = torch.Generator(device="cpu").manual_seed(2000 + seed)
+    ids = torch.randint(0, num_loras, (M,), generator=gen, dtype=torch.int32)
+    ids[torch.rand(M, generator=gen) < none_fraction] = -1
+    return ids.to(device)

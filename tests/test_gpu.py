@@ -100,3 +100,62 @@ def test_cuda_graph_capture_and_replay(shape, path):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_error(out, reference32(x, w1, w2, tw, ti)) <= REL_TOL[torch.bfloat16]
+
+
+LORA_CASES = [(M, rank) for M in (1, 16, 128, 1024) for rank in (16,)] + [(300, 8), (300, 32), (300, 64)]
+
+
+@pytest.mark.parametrize("M,rank", LORA_CASES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_lora_bf16(shape, M, rank):
+    from helpers import make_lora, make_token_lora_ids
+
+    E, H, I, topk = SHAPES[shape]
+    x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=M + rank)
+    lora = fmoe2.prepare_lora(make_lora(4, E, H, I, rank, torch.bfloat16, device="cuda", seed=M))
+    lora_ids = make_token_lora_ids(M, 4, device="cuda", seed=M)
+    out = fused_moe(x, prepare_weights(w1, w2), None, tw, ti, lora=lora, token_lora_ids=lora_ids,
+                    out=poisoned(M, H, torch.bfloat16, "cuda"))
+    ref = reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+    assert torch.isfinite(out).all()
+    err = rel_error(out, ref)
+    assert err <= REL_TOL[torch.bfloat16], f"{shape} M={M} rank={rank}: relative error {err:.3e}"
+
+
+def test_lora_bf16_odd_sizes_some_experts_and_baseline():
+    from fmoe2.bench.vllm_style import GroupedGemmConfig
+    from fmoe2.bench.vllm_style_lora import prepare_baseline_lora, vllm_style_fused_experts_lora
+    from helpers import make_lora, make_token_lora_ids
+
+    M, E, H, I, topk = 333, 7, 1000, 600, 3
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.bfloat16, device="cuda", seed=5)
+    lora = make_lora(3, E, H, I, 16, torch.bfloat16, device="cuda", experts=[0, 3, 6])
+    lora_ids = make_token_lora_ids(M, 3, device="cuda")
+    ref = reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+    out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+    assert rel_error(out, ref) <= REL_TOL[torch.bfloat16]
+    cfg = GroupedGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)
+    base = vllm_style_fused_experts_lora(x, w1, w2, tw, ti, prepare_baseline_lora(lora), lora_ids, cfg, cfg)
+    assert rel_error(base, ref) <= REL_TOL[torch.bfloat16]
+
+
+def test_lora_cuda_graph_follows_new_adapter_ids():
+    from helpers import make_lora, make_token_lora_ids
+
+    E, H, I, topk = SHAPES["qwen3-30b-a3b"]
+    M = 64
+    x, w1, w2, tw, ti = problem("qwen3-30b-a3b", M, torch.bfloat16, seed=21)
+    prepared = prepare_weights(w1, w2)
+    lora = fmoe2.prepare_lora(make_lora(4, E, H, I, 16, torch.bfloat16, device="cuda"))
+    lora_ids = torch.full((M,), -1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids)
+    for seed in (1, 2):
+        lora_ids.copy_(make_token_lora_ids(M, 4, device="cuda", seed=seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+        assert rel_error(out, ref) <= REL_TOL[torch.bfloat16]

@@ -2,6 +2,7 @@
 
     python -m fmoe2.bench [--shapes mixtral-8x7b,qwen3-30b-a3b,deepseek-v2-lite | --shape E,H,I,topk]
                           [--m 1,16,128,1024,4096] [--no-search] [--out-dir misc/bench]
+    python -m fmoe2.bench --lora [--rank 16] [--num-loras 4] [--search]     (see fmoe2/bench/lora.py)
 
 Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
 get their best config from the same search space (``fmoe2/bench/search.py``), are checked against
@@ -137,6 +138,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-search", action="store_true", help="use default configs instead of searching")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", action="store_true",
+                   help="multi-LoRA benchmark (default M 1,16,128,1024; results under <out-dir>/lora)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank with --lora")
+    p.add_argument("--num-loras", type=int, default=4, help="adapters with --lora")
+    p.add_argument("--search", action="store_true", help="with --lora: search fmoe2's fused config for LoRA")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA or ROCm GPU")
@@ -147,6 +153,8 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
         shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
+    if a.lora and a.m == p.get_default("m"):
+        a.m = "1,16,128,1024"
     ms = [int(m) for m in a.m.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(a.seed)
     ceilings = measure_ceilings()
@@ -157,6 +165,18 @@ def main(argv=None) -> int:
                 ceilings=ceilings)
     print(f"{device}: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    if a.lora:
+        from .lora import bench_lora_shape, write_lora_report
+
+        lora_dir = os.path.join(a.out_dir, "lora")
+        os.makedirs(lora_dir, exist_ok=True)
+        for name, shape in shapes.items():
+            rows = bench_lora_shape(name, shape, ms, ceilings, gen, rank=a.rank, num_loras=a.num_loras,
+                                    do_search=a.search, plain_dir=a.out_dir)
+            with open(os.path.join(lora_dir, f"{device_config_name()}__{name}.json"), "w") as f:
+                json.dump({**meta, "results": rows}, f, indent=1)
+        print(write_lora_report(lora_dir, device_config_name(), os.path.dirname(os.path.abspath(a.out_dir))))
+        return 0
     os.makedirs(a.out_dir, exist_ok=True)
     for name, shape in shapes.items():
         rows = bench_shape(name, shape, ms, not a.no_search, ceilings, gen)

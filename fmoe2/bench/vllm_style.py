@@ -84,8 +84,12 @@ def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mu
 
 
 def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGemmConfig, gemm2: GroupedGemmConfig,
-                             activation: str = "silu") -> torch.Tensor:
-    """The unfused baseline; same math as :func:`fmoe2.fused_moe`. Both GEMMs share BLOCK_M (one sort)."""
+                             activation: str = "silu", lora=None, token_lora_ids=None, lora_cfg=None) -> torch.Tensor:
+    """The unfused baseline; same math as :func:`fmoe2.fused_moe`. Both GEMMs share BLOCK_M (one sort).
+
+    With ``lora`` (a ``BaselineLoRA``) and ``token_lora_ids`` it adds the LoRA alignment and the
+    shrink/expand kernels of ``fmoe2/bench/vllm_style_lora.py`` after each GEMM.
+    """
     if gemm1.BLOCK_M != gemm2.BLOCK_M:
         raise ValueError("gemm1 and gemm2 configs must share BLOCK_M (one alignment serves both)")
     M, H = x.shape
@@ -99,11 +103,19 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
     cache2 = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     cache3 = torch.empty(M, topk, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float() if topk_weights.dtype != torch.float32 else topk_weights.reshape(-1)
+    if lora is not None:
+        from .vllm_style_lora import LoRASteps
+
+        lora_steps = LoRASteps(lora, token_lora_ids, topk_ids, topk_weights, weights, lora_cfg)
     _grouped_gemm(x, w1, cache1, sorting, weights, num_entries, topk, False, gemm1)
+    if lora is not None:
+        lora_steps.gate_up(x, cache1)
     act_block = min(1024, triton.next_power_of_2(inter))
     _gated_activation_kernel[(num_entries, triton.cdiv(inter, act_block))](cache1, cache2, inter,
                                                                             ACTIVATION=activation, BLOCK=act_block)
     _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2)
+    if lora is not None:
+        lora_steps.down(cache2, cache3.view(num_entries, H))
     out = torch.empty_like(x)
     sum_block = min(1024, triton.next_power_of_2(H))
     _topk_sum_kernel[(M, triton.cdiv(H, sum_block))](cache3, out, H, TOPK=topk, BLOCK=sum_block)

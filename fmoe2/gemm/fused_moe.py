@@ -11,10 +11,11 @@ import triton
 from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from .config import PATHS, FusedMoEConfig, current_backend, fit_config, get_config
+from .config import PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config, get_config
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
+from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
 
 
 @dataclass
@@ -29,10 +30,35 @@ class MoEProblem:
     hidden_size: int
     intermediate_size: int
     topk: int
+    lora: Optional[PreparedMoELoRA] = None
+    token_lora_ids: Optional[torch.Tensor] = None  # [M] int32
+
+
+def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path) -> Optional[PreparedMoELoRA]:
+    """Checks the LoRA arguments of :func:`fused_moe`; returns the adapters in the kernel layout (or None)."""
+    if lora is None and token_lora_ids is None:
+        return None
+    if lora is None or token_lora_ids is None:
+        missing = "lora" if lora is None else "token_lora_ids"
+        raise ValueError(f"lora and token_lora_ids go together: {missing} is None")
+    if not isinstance(lora, (MoELoRA, PreparedMoELoRA)):
+        raise TypeError(f"lora must be a fmoe2.MoELoRA or PreparedMoELoRA, got {type(lora).__name__}")
+    if lora.dtype != dtype:
+        raise TypeError(f"lora weights have dtype {lora.dtype} but hidden_states has {dtype}")
+    if (lora.num_experts, lora.hidden_size, lora.intermediate_size) != (E, H, inter):
+        raise ValueError(f"lora is for E={lora.num_experts}, H={lora.hidden_size}, I={lora.intermediate_size} "
+                         f"but the base weights have E={E}, H={H}, I={inter}")
+    check_tensor("token_lora_ids", token_lora_ids, dtypes=(torch.int32,), shape=(M,),
+                 shape_doc=f"[M] = [{M}] (adapter per token, -1 for none)")
+    if path == "two_stage":
+        raise ValueError("LoRA runs on the fused path only: use path='auto' or 'fused' with lora")
+    if lora.device != token_lora_ids.device:
+        raise ValueError(f"lora is on {lora.device} but token_lora_ids is on {token_lora_ids.device}")
+    return prepare_lora(lora)
 
 
 def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
-                         path="auto") -> MoEProblem:
+                         path="auto", lora=None, token_lora_ids=None) -> MoEProblem:
     """Validates every argument of :func:`fused_moe` on the host; raises TypeError/ValueError."""
     check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
     M, H = hidden_states.shape
@@ -85,9 +111,13 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         raise ValueError(f"path must be one of {('auto',) + PATHS}, got {path!r}")
     if config is not None and not isinstance(config, FusedMoEConfig):
         raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
+    prepared_lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path)
+    if out is not None and prepared_lora is not None:
+        check_out_overlaps(out, token_lora_ids=token_lora_ids, **prepared_lora.tensors())
     check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
-                      topk_ids=topk_ids, expert_map=expert_map, out=out)
-    return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk)
+                      topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids,
+                      lora=prepared_lora.a13 if prepared_lora is not None else None)
+    return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids)
 
 
 def grid_tiles(problem: MoEProblem, sorting: MoESortingResult) -> int:
@@ -112,13 +142,37 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
         stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1), stride_out_m=out.stride(0),
         stride_y_m=y.stride(0) if y is not None else 0,
+        **_lora_args(problem, out),
     )
     constexprs = dict(
         ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
         GROUP_M=config.GROUP_M, STORE_Y=y is not None,
+        HAS_LORA=problem.lora is not None,
+        LORA_RANK=problem.lora.padded_rank if problem.lora is not None else 16,
     )
     return grid, args, constexprs, config.launch_options(backend)
+
+
+# Stride argument names of the LoRA tensors: (adapter, expert, row) of a13, b13, a2, b2.
+_LORA_STRIDES = (("la13", "r"), ("lb13", "n"), ("la2", "r"), ("lb2", "h"))
+
+
+def _lora_args(problem: MoEProblem, out: torch.Tensor) -> dict:
+    """The fused kernel's LoRA arguments; without LoRA, stand-ins that are never dereferenced."""
+    lora = problem.lora
+    if lora is None:
+        tensors = (out,) * 4
+        args = dict(token_lora_ids_ptr=out, lora_scaling_ptr=out, num_loras=0)
+    else:
+        tensors = (lora.a13, lora.b13, lora.a2, lora.b2)
+        args = dict(token_lora_ids_ptr=problem.token_lora_ids, lora_scaling_ptr=lora.scaling,
+                    num_loras=lora.num_loras)
+    for (name, row), t in zip(_LORA_STRIDES, tensors):
+        args[f"lora_{name[1:]}_ptr"] = t
+        strides = t.stride()[:3] if lora is not None else (0, 0, 0)
+        args.update({f"stride_{name}_l": strides[0], f"stride_{name}_e": strides[1], f"stride_{name}_{row}": strides[2]})
+    return args
 
 
 def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, y: torch.Tensor,
@@ -152,6 +206,8 @@ def fused_moe(
     expert_map: Optional[torch.Tensor] = None,
     config: Optional[FusedMoEConfig] = None,
     path: str = "auto",
+    lora: Optional[Union[MoELoRA, PreparedMoELoRA]] = None,
+    token_lora_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """MoE forward in two launches and no intermediate buffer (or three, with the two-stage path).
 
@@ -173,7 +229,13 @@ def fused_moe(
             (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
             the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
             atomic adds per output element; workspace ``y`` of at most
-            ``(M*topk + min(E, M*topk)*(BLOCK_M-1)) x I`` elements).
+            ``(M*topk + min(E, M*topk)*(BLOCK_M-1)) x I`` elements). With ``lora``, "auto"
+            means "fused" and "two_stage" is refused.
+        lora: optional :class:`fmoe2.MoELoRA` adapters (better: :func:`fmoe2.prepare_lora` of
+            them, done once; an unprepared one is converted on every call). Their deltas are
+            computed inside the fused kernel (see ``fmoe2/gemm/lora.py``).
+        token_lora_ids: int32 ``[M]``, the adapter of each token, ``-1`` (or any id outside
+            ``[0, max_loras)``) for none; required with ``lora``.
 
     Returns:
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
@@ -184,7 +246,9 @@ def fused_moe(
     No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
     """
     problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
-                                   path)
+                                   path, lora, token_lora_ids)
+    if problem.lora is not None:
+        path = "fused"
     M, H = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)
@@ -195,6 +259,8 @@ def fused_moe(
                             device=hidden_states.device, path=path)
     else:  # a caller's config is fitted like a picked one (clamps, atomic-add precision cap)
         config = fit_config(config, H, problem.intermediate_size, problem.topk, hidden_states.dtype, path)
+    if problem.lora is not None:
+        config = fit_lora_config(config)
     with on_device(hidden_states):
         _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config)
     return out

@@ -94,14 +94,26 @@ def max_busy_tiles(num_entries: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, valid, num_global_experts,
-                         NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr):
-    """Local expert id of each routing entry, and whether it is kept (in range after mapping)."""
+def _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, valid, num_global_experts,
+                         num_loras, NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr, TOPK: tl.constexpr,
+                         LORA_KEYS: tl.constexpr):
+    """Sort key of each routing entry (its local expert), and whether it is kept (in range after mapping).
+
+    With LORA_KEYS the key is ``adapter * (NUM_EXPERTS // num_loras) + expert`` and entries of
+    tokens without an adapter are dropped (the baseline's LoRA alignment).
+    """
     ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1)  # int32 or int64: range-check before narrowing
     if HAS_EXPERT_MAP:
         in_range = valid & (ids >= 0) & (ids < num_global_experts)
         ids = tl.load(expert_map_ptr + tl.where(in_range, ids, 0), mask=in_range, other=-1)
-    keep = valid & (ids >= 0) & (ids < NUM_EXPERTS)
+    if LORA_KEYS:
+        num_base = NUM_EXPERTS // num_loras
+        keep = valid & (ids >= 0) & (ids < num_base)
+        lora = tl.load(token_lora_ids_ptr + offs // TOPK, mask=keep, other=-1)
+        keep = keep & (lora >= 0) & (lora < num_loras)
+        ids = lora * num_base + ids
+    else:
+        keep = valid & (ids >= 0) & (ids < NUM_EXPERTS)
     return tl.where(keep, ids, 0).to(tl.int32), keep
 
 
@@ -110,6 +122,7 @@ def _moe_sorting_kernel(
     topk_ids_ptr,  # [M * TOPK] int32/int64, row-major [M, TOPK]
     topk_weights_ptr,  # [M * TOPK] float
     expert_map_ptr,  # [num_global_experts] int32 (read only if HAS_EXPERT_MAP)
+    token_lora_ids_ptr,  # [M] int32 (read only if LORA_KEYS)
     sorted_token_ids_ptr,  # [max_num_padded] int32
     sorted_weights_ptr,  # [max_num_padded] float32
     sorted_expert_ids_ptr,  # [max_num_padded // BLOCK_M] int32
@@ -122,6 +135,7 @@ def _moe_sorting_kernel(
     max_num_padded,
     out_numel,
     num_zero_programs,  # programs that zero ``out`` (a runtime value: no recompile per batch size)
+    num_loras,  # adapters (LORA_KEYS only)
     # meta-parameters
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -130,6 +144,7 @@ def _moe_sorting_kernel(
     SCAN_BLOCK: tl.constexpr,  # routing entries per step
     HAS_EXPERT_MAP: tl.constexpr,
     EXPANDED_IDS: tl.constexpr,  # store token*TOPK+slot (vLLM's convention, for the baseline) instead of token
+    LORA_KEYS: tl.constexpr,  # sort by (adapter, expert): the baseline's LoRA alignment
     ZERO_OUT: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
 ):
@@ -155,8 +170,8 @@ def _moe_sorting_kernel(
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, num_entries, SCAN_BLOCK):
         offs = start + scan
-        ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
-                                         num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
+        ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
+                                         num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
         counts += tl.histogram(ids, NUM_BINS, mask=keep)
     padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     region_start = tl.sum(tl.where(bins < expert, padded, 0), axis=0)
@@ -169,8 +184,9 @@ def _moe_sorting_kernel(
         rank_base = region_start
         for start in range(0, num_entries, SCAN_BLOCK):
             offs = start + scan
-            ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, offs, offs < num_entries,
-                                             num_global_experts, NUM_EXPERTS, HAS_EXPERT_MAP)
+            ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs,
+                                             offs < num_entries, num_global_experts, num_loras, NUM_EXPERTS,
+                                             HAS_EXPERT_MAP, TOPK, LORA_KEYS)
             hit = keep & (ids == expert)
             hit_i32 = hit.to(tl.int32)
             dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
@@ -260,22 +276,27 @@ def moe_sorting(
 
 
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
-                          expanded_ids: bool = False):
+                          expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0):
     """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
 
     ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
-    by the baseline in ``fmoe2.bench``; fmoe2 itself stores actual token ids.
+    by the baseline in ``fmoe2.bench``; fmoe2 itself stores actual token ids. With
+    ``token_lora_ids`` the sort keys are ``adapter * num_experts + expert`` (``num_loras *
+    num_experts`` keys; ``result`` must be allocated for that many) and tokens without an adapter
+    are dropped: the baseline's LoRA alignment.
     """
     M, topk = topk_ids.shape
     num_entries = M * topk
     out_numel = out.numel() if out is not None else 0
     num_zero_programs = min(triton.cdiv(out_numel, ZERO_BLOCK), MAX_ZERO_PROGRAMS)
-    grid = (num_experts + num_zero_programs,)
+    num_keys = num_experts * num_loras if token_lora_ids is not None else num_experts
+    grid = (num_keys + num_zero_programs,)
     args = dict(
         topk_ids_ptr=topk_ids,
         topk_weights_ptr=topk_weights,
         # Unused pointers get a harmless stand-in (never dereferenced when the flag is off).
         expert_map_ptr=expert_map if expert_map is not None else result.sorted_expert_ids,
+        token_lora_ids_ptr=token_lora_ids if token_lora_ids is not None else result.sorted_expert_ids,
         sorted_token_ids_ptr=result.sorted_token_ids,
         sorted_weights_ptr=result.sorted_weights,
         sorted_expert_ids_ptr=result.sorted_expert_ids,
@@ -288,15 +309,17 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         max_num_padded=result.sorted_token_ids.numel(),
         out_numel=out_numel,
         num_zero_programs=num_zero_programs,
+        num_loras=num_loras,
     )
     constexprs = dict(
         TOPK=topk,
-        NUM_EXPERTS=num_experts,
-        NUM_BINS=triton.next_power_of_2(num_experts),
+        NUM_EXPERTS=num_keys,
+        NUM_BINS=triton.next_power_of_2(num_keys),
         BLOCK_M=result.block_m,
         SCAN_BLOCK=min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK),
         HAS_EXPERT_MAP=expert_map is not None,
         EXPANDED_IDS=expanded_ids,
+        LORA_KEYS=token_lora_ids is not None,
         ZERO_OUT=num_zero_programs > 0,
         ZERO_BLOCK=ZERO_BLOCK,
     )
@@ -304,12 +327,12 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
 
 
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
-                       expanded_ids: bool = False) -> None:
+                       expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0) -> None:
     """Launches the sorting kernel into the preallocated ``result`` buffers.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
-                                                            out, expanded_ids)
+                                                            out, expanded_ids, token_lora_ids, num_loras)
     with on_device(topk_ids):
         _moe_sorting_kernel[grid](**args, **constexprs, **options)

@@ -26,3 +26,16 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         assert {c.BLOCK_M for c in f} == {c[0].BLOCK_M for c in b} == set(block_m_candidates(M, E, topk))
         assert all(topk * -(-I // c.BLOCK_N) <= MAX_ATOMIC_ADDS for c in f if c.path == "fused")
         assert any(c.path == "two_stage" for c in f) == (M * topk / E > 16)
+
+
+@pytest.mark.parametrize("M,E,H,I,topk,rank", [(5, 4, 32, 24, 2, 8), (21, 3, 40, 20, 3, 16)])
+def test_baseline_lora_matches_reference(M, E, H, I, topk, rank):
+    from fmoe2.bench.vllm_style_lora import prepare_baseline_lora, vllm_style_fused_experts_lora
+    from helpers import make_lora, make_token_lora_ids
+
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=M)
+    lora = make_lora(3, E, H, I, rank, torch.float16, seed=M)
+    lora_ids = make_token_lora_ids(M, 3, seed=M)
+    cfg = GroupedGemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+    out = vllm_style_fused_experts_lora(x, w1, w2, tw, ti, prepare_baseline_lora(lora), lora_ids, cfg, cfg)
+    assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)

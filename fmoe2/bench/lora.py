@@ -1,0 +1,191 @@
+"""LoRA benchmark: ``python -m fmoe2.bench --lora`` — fused multi-LoRA vs the plain fused forward
+and vs the vLLM-style path with separate shrink/expand kernels, end to end, bf16.
+
+Per shape and batch (default M = 1, 16, 128, 1024; rank 16; 4 adapters spread uniformly over the
+tokens, 20% of tokens without one), one fmoe2 config (the fused-path pick of
+:func:`fmoe2.get_config`, or the best fused LoRA config with ``--search``) serves every fmoe2
+variant (``fused_moe`` passes it through ``fit_lora_config`` when adapters are given, as it does
+for every caller), so the ratios isolate the LoRA work:
+
+* ``plain``: ``fused_moe`` without adapters (the fused path: LoRA runs there);
+* ``lora``: mixed adapters; ``lora_none``: the adapters passed but every token -1;
+  ``lora_one``: one adapter for all tokens (base-weight traffic must not depend on the mix);
+* ``baseline`` / ``baseline_lora``: ``fmoe2/bench/vllm_style.py`` / ``vllm_style_lora.py``, base
+  GEMM configs from this device's plain benchmark results (or searched when there are none).
+
+Writes ``misc/bench/lora/<device>__<shape>.json``, ``misc/bench/lora/<device>.md`` and
+``misc/<device>_lora.png``.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import torch
+
+import fmoe2
+from fmoe2.gemm.config import device_config_name, fit_lora_config
+
+from .search import baseline_candidates, fmoe2_candidates, search
+from .timing import time_in_graph
+from .vllm_style import GroupedGemmConfig, vllm_style_fused_experts
+from .vllm_style_lora import prepare_baseline_lora, vllm_style_fused_experts_lora
+
+BF16_TOL = 2.5e-2
+
+
+def make_adapters(num_loras, E, H, I, rank, gen, scaling=0.5):
+    """Random bf16 adapters whose deltas are of the order of the base terms."""
+
+    def rand(*shape, fan_in):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(fan_in)
+
+    return fmoe2.MoELoRA(
+        gate_a=rand(num_loras, E, rank, H, fan_in=H), gate_b=rand(num_loras, E, I, rank, fan_in=rank),
+        up_a=rand(num_loras, E, rank, H, fan_in=H), up_b=rand(num_loras, E, I, rank, fan_in=rank),
+        down_a=rand(num_loras, E, rank, I, fan_in=I), down_b=rand(num_loras, E, H, rank, fan_in=rank),
+        scaling=scaling)
+
+
+def make_token_lora_ids(M, num_loras, gen, none_fraction):
+    ids = torch.randint(0, num_loras, (M,), device="cuda", dtype=torch.int32, generator=gen)
+    ids[torch.rand(M, device="cuda", generator=gen) < none_fraction] = -1
+    return ids
+
+
+def _plain_baseline_configs(plain_dir, name, M):
+    """The baseline's tuned configs for this device, shape and batch from ``python -m fmoe2.bench``."""
+    path = os.path.join(plain_dir, f"{device_config_name()}__{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = [r for r in json.load(f)["results"] if r["M"] == M]
+    if not rows:
+        return None
+    cfg = GroupedGemmConfig(**rows[0]["baseline_config"])
+    return cfg, cfg
+
+
+def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_fraction=0.2, do_search=False,
+                     plain_dir=os.path.join("misc", "bench")):
+    from .__main__ import make_inputs, rel_err
+
+    E, H, I, topk = shape
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
+    prepared = fmoe2.prepare_weights(w1, w2)
+    lora = make_adapters(num_loras, E, H, I, rank, gen)
+    lora_prepared = fmoe2.prepare_lora(lora)
+    lora_base = prepare_baseline_lora(lora)
+    rows = []
+    for M in ms:
+        x, tw, ti = make_inputs(M, E, H, I, topk, gen)
+        out = torch.empty_like(x)
+        ids_mixed = make_token_lora_ids(M, num_loras, gen, none_fraction)
+        ids_none = torch.full((M,), -1, dtype=torch.int32, device="cuda")
+        ids_one = torch.zeros(M, dtype=torch.int32, device="cuda")
+
+        def run_fmoe2(cfg, ids=None):
+            if ids is None:
+                return lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, path="fused")
+            return lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, lora=lora_prepared,
+                                           token_lora_ids=ids)
+
+        cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path="fused")
+        if do_search:
+            fused = [c for c in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16) if c.path == "fused"]
+            cfg, _, _ = search(fused, lambda c: run_fmoe2(c, ids_mixed), f"{name} M={M} fmoe2 lora")
+        base_cfgs = _plain_baseline_configs(plain_dir, name, M)
+        if base_cfgs is None:
+            base_cfgs, _, _ = search(baseline_candidates(M, E, topk),
+                                     lambda c: (lambda: vllm_style_fused_experts(x, w1, w2, tw, ti, *c)),
+                                     f"{name} M={M} baseline")
+
+        ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti, lora=lora, token_lora_ids=ids_mixed)
+        err_f = rel_err(run_fmoe2(cfg, ids_mixed)().clone(), ref)
+        err_b = rel_err(vllm_style_fused_experts_lora(x, w1, w2, tw, ti, lora_base, ids_mixed, *base_cfgs), ref)
+        t = dict(
+            plain_us=time_in_graph(run_fmoe2(cfg)),
+            lora_us=time_in_graph(run_fmoe2(cfg, ids_mixed)),
+            lora_none_us=time_in_graph(run_fmoe2(cfg, ids_none)),
+            lora_one_us=time_in_graph(run_fmoe2(cfg, ids_one)),
+            baseline_us=time_in_graph(lambda: vllm_style_fused_experts(x, w1, w2, tw, ti, *base_cfgs)),
+            baseline_lora_us=time_in_graph(lambda: vllm_style_fused_experts_lora(x, w1, w2, tw, ti, lora_base,
+                                                                                 ids_mixed, *base_cfgs)),
+        )
+        row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, rank=rank, num_loras=num_loras,
+                   tokens_without_adapter=int((ids_mixed < 0).sum()), **t,
+                   lora_over_plain=t["lora_us"] / t["plain_us"], none_over_plain=t["lora_none_us"] / t["plain_us"],
+                   one_over_plain=t["lora_one_us"] / t["plain_us"],
+                   speedup_vs_baseline_lora=t["baseline_lora_us"] / t["lora_us"],
+                   baseline_lora_over_baseline=t["baseline_lora_us"] / t["baseline_us"],
+                   fmoe2_rel_err=err_f, baseline_rel_err=err_b, fmoe2_config=cfg.to_dict(),
+                   fmoe2_lora_config=fit_lora_config(cfg).to_dict(),
+                   baseline_config=base_cfgs[0].__dict__)
+        rows.append(row)
+        print(f"{name:17s} M={M:5d}  plain {t['plain_us']:8.1f}  lora {t['lora_us']:8.1f} ({row['lora_over_plain']:.2f}x)"
+              f"  none {row['none_over_plain']:.3f}x  one {row['one_over_plain']:.2f}x  baseline lora "
+              f"{t['baseline_lora_us']:8.1f} ({row['speedup_vs_baseline_lora']:.2f}x)  err {err_f:.1e}/{err_b:.1e}",
+              flush=True)
+        if max(err_f, err_b) > BF16_TOL or not (math.isfinite(err_f) and math.isfinite(err_b)):
+            raise SystemExit(f"{name} M={M}: LoRA result off (fmoe2 {err_f:.2e}, baseline {err_b:.2e})")
+    return rows
+
+
+def write_lora_report(out_dir: str, device: str, plot_dir: str) -> str:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out_dir, f"{device}__*.json"))):
+        with open(path) as f:
+            runs.append(json.load(f))
+    if not runs:
+        return f"no LoRA results for {device} in {out_dir}"
+    head = runs[0]
+    r0 = head["results"][0]
+    lines = [f"# fmoe2 fused multi-LoRA benchmark on {head['device']}", "",
+             f"- date: {head['date']}; torch {head['torch']}, Triton {head['triton']}",
+             "- commands: " + "; ".join(sorted({f"`{r['command']}`" for r in runs})),
+             f"- rank {r0['rank']}, {r0['num_loras']} adapters uniform over the tokens, about 20% of tokens without "
+             "one; bf16; 10 calls per CUDA graph, CUDA events, median of 50 replays",
+             "- plain = fmoe2 fused path without adapters; none = adapters passed, every token -1; one = a single "
+             "adapter for all tokens; same fmoe2 config in all four", "",
+             "| shape | M | plain (us) | LoRA (us) | LoRA / plain | none / plain | one / plain | baseline (us) | "
+             "baseline LoRA (us) | speedup vs baseline LoRA | rel. err fmoe2 / baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for r in run["results"]:
+            lines.append(f"| {r['shape']} | {r['M']} | {r['plain_us']:.1f} | {r['lora_us']:.1f} | "
+                         f"{r['lora_over_plain']:.2f}x | {r['none_over_plain']:.3f}x | {r['one_over_plain']:.2f}x | "
+                         f"{r['baseline_us']:.1f} | {r['baseline_lora_us']:.1f} | {r['speedup_vs_baseline_lora']:.2f}x | "
+                         f"{r['fmoe2_rel_err']:.1e} / {r['baseline_rel_err']:.1e} |")
+    md_path = os.path.join(out_dir, f"{device}.md")
+    with open(md_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"wrote {md_path}"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in runs:
+        rs = run["results"]
+        ms = [r["M"] for r in rs]
+        axes[0].plot(ms, [r["lora_over_plain"] for r in rs], marker="o", label=rs[0]["shape"])
+        axes[1].plot(ms, [r["speedup_vs_baseline_lora"] for r in rs], marker="o", label=rs[0]["shape"])
+    axes[0].axhline(1.10, color="gray", linestyle="--", linewidth=1)
+    axes[1].axhline(1.5, color="gray", linestyle="--", linewidth=1)
+    for ax, ylabel in zip(axes, ("fused LoRA time / plain fused time", "speedup vs vLLM-style LoRA path")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"fmoe2 multi-LoRA on {head['device']} (bf16, rank {r0['rank']}, {r0['num_loras']} adapters)")
+    fig.tight_layout()
+    plot_path = os.path.join(plot_dir, f"{device}_lora.png")
+    fig.savefig(plot_path, dpi=100)
+    plt.close(fig)
+    return f"wrote {md_path} {plot_path}"

@@ -1,0 +1,156 @@
+"""fused_moe with multi-LoRA against the float64 reference (CPU interpreter in fp16/fp32, or the
+GPU): mixed adapters, tokens without one, every rank, adapters on some experts only, odd sizes,
+layouts, and the argument checks."""
+import pytest
+import torch
+
+import fmoe2
+from fmoe2 import FusedMoEConfig, MoELoRA, fused_moe, prepare_lora, prepare_weights
+from helpers import DEVICE, assert_matches_reference, make_lora, make_problem, make_token_lora_ids, poisoned, rel_error
+
+SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
+
+
+def run_and_check(M, E, H, I, topk, rank, dtype, *, num_loras=3, lora_ids=None, experts=None, prepared=True,
+                  prepared_lora=True, config=SMALL, seed=0):
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=seed)
+    lora = make_lora(num_loras, E, H, I, rank, dtype, seed=seed, experts=experts)
+    if lora_ids is None:
+        lora_ids = make_token_lora_ids(M, num_loras, seed=seed)
+    weights = (prepare_weights(w1, w2), None) if prepared else (w1, w2)
+    out = fused_moe(x, *weights, tw, ti, lora=prepare_lora(lora) if prepared_lora else lora,
+                    token_lora_ids=lora_ids, config=config, out=poisoned(M, H, dtype))
+    err = assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+    # The deltas are O(1): leaving any of them out cannot pass the check above.
+    base = fmoe2.fused_moe_reference(x.double(), w1.double(), w2.double(), tw, ti)
+    if (lora_ids >= 0).any() and experts is None:
+        assert rel_error(base, fmoe2.fused_moe_reference(x.double(), w1.double(), w2.double(), tw, ti, lora=lora,
+                                                         token_lora_ids=lora_ids)) > 0.05
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
+@pytest.mark.parametrize("M,E,H,I,topk", [
+    (1, 4, 64, 32, 2),
+    (13, 5, 40, 24, 2),  # H, I not multiples of 16, E not a power of two
+    (37, 3, 24, 56, 3),  # several tiles per expert, tiles mixing adapters
+])
+def test_mixed_adapters_match_reference(M, E, H, I, topk, dtype, prepared):
+    run_and_check(M, E, H, I, topk, 16, dtype, prepared=prepared, seed=M)
+
+
+@pytest.mark.parametrize("rank", [8, 16, 32, 64, 5])
+def test_every_rank(rank):
+    run_and_check(11, 4, 48, 40, 2, rank, torch.float16, seed=rank)
+
+
+def test_one_adapter_for_all_tokens_and_unprepared_lora():
+    M = 19
+    run_and_check(M, 4, 40, 32, 2, 16, torch.float16, lora_ids=torch.full((M,), 2, dtype=torch.int32, device=DEVICE),
+                  prepared_lora=False)
+
+
+def test_no_token_has_an_adapter_gives_the_plain_result():
+    M, E, H, I, topk = 17, 4, 40, 32, 2
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=3)
+    lora = prepare_lora(make_lora(2, E, H, I, 16, torch.float16))
+    # -1 and ids outside [0, max_loras) both mean "no adapter".
+    lora_ids = torch.tensor([-1, 2, 7, -5] * 4 + [-1], dtype=torch.int32, device=DEVICE)
+    out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids, config=SMALL)
+    plain = fused_moe(x, w1, w2, tw, ti, config=SMALL)
+    if DEVICE == "cpu":  # the interpreter adds in a fixed order: bitwise equal
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    else:  # GPU atomics add in a run-dependent order: equal to rounding
+        assert rel_error(out, plain) < 2e-3
+
+
+def test_adapters_on_some_experts_only():
+    run_and_check(23, 6, 40, 24, 2, 16, torch.float16, experts=[1, 4], seed=4)
+
+
+def test_many_adapters_one_expert_tile():
+    # All tokens on one expert, 8 adapters: every tile mixes many adapters (extra shrink passes).
+    M = 40
+    ids = torch.zeros(M, 1, dtype=torch.int32)
+    lora_ids = (torch.arange(M, dtype=torch.int32) % 9 - 1).to(DEVICE)  # -1, 0..7
+    x, w1, w2, tw, ti = make_problem(M, 2, 32, 40, 1, torch.float16, ids=ids)
+    lora = make_lora(8, 2, 32, 40, 16, torch.float16)
+    cfg = FusedMoEConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_H=32)
+    out = fused_moe(x, prepare_weights(w1, w2), None, tw, ti, lora=lora, token_lora_ids=lora_ids, config=cfg,
+                    out=poisoned(M, 32, torch.float16))
+    assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+
+
+def test_gelu_with_lora():
+    M, E, H, I, topk = 9, 3, 32, 24, 2
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16)
+    lora = make_lora(2, E, H, I, 16, torch.float16)
+    lora_ids = make_token_lora_ids(M, 2)
+    out = fused_moe(x, w1, w2, tw, ti, activation="gelu", lora=lora, token_lora_ids=lora_ids, config=SMALL)
+    assert_matches_reference(out, x, w1, w2, tw, ti, activation="gelu", lora=lora, token_lora_ids=lora_ids)
+
+
+def test_prepared_lora_round_trips():
+    lora = make_lora(3, 4, 40, 24, 5, torch.float16)
+    back = prepare_lora(lora).unprepare()
+    for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b", "scaling"):
+        torch.testing.assert_close(getattr(back, name), getattr(lora, name), rtol=0, atol=0)
+    assert prepare_lora(lora).padded_rank == 16
+
+
+def _lora_tensors(L=2, E=4, R=16, H=32, I=24, dtype=torch.float16):
+    z = dict(dtype=dtype, device=DEVICE)
+    return dict(gate_a=torch.zeros(L, E, R, H, **z), gate_b=torch.zeros(L, E, I, R, **z),
+                up_a=torch.zeros(L, E, R, H, **z), up_b=torch.zeros(L, E, I, R, **z),
+                down_a=torch.zeros(L, E, R, I, **z), down_b=torch.zeros(L, E, H, R, **z))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(up_a=torch.zeros(2, 4, 16, 31, dtype=torch.float16)), ValueError, r"lora\.up_a must have shape"),
+    (dict(down_b=torch.zeros(2, 4, 32, 16, dtype=torch.float32)), TypeError, r"lora\.down_b must have dtype"),
+    (dict(gate_a=torch.zeros(17, 4, 16, 32, dtype=torch.float16)), ValueError, "max_loras must be in"),
+    (dict(scaling=[1.0, 2.0, 3.0]), ValueError, r"scaling must be a float or have shape \[max_loras\]"),
+    (dict(scaling="x"), TypeError, "scaling"),
+])
+def test_moelora_checks(change, error, match):
+    t = _lora_tensors()
+    t["scaling"] = 1.0
+    for k, v in change.items():
+        t[k] = v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+    with pytest.raises(error, match=match):
+        MoELoRA(**t)
+
+
+def test_rank_above_limit_is_refused():
+    with pytest.raises(ValueError, match="rank"):
+        MoELoRA(**_lora_tensors(R=128))
+
+
+def test_fused_moe_lora_argument_checks():
+    M, E, H, I, topk = 4, 4, 32, 24, 2
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16)
+    lora = MoELoRA(**_lora_tensors())
+    ids = torch.zeros(M, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="token_lora_ids is None"):
+        fused_moe(x, w1, w2, tw, ti, lora=lora)
+    with pytest.raises(ValueError, match="lora is None"):
+        fused_moe(x, w1, w2, tw, ti, token_lora_ids=ids)
+    with pytest.raises(TypeError, match="token_lora_ids must have dtype int32"):
+        fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids.long())
+    with pytest.raises(ValueError, match=r"token_lora_ids must have shape \[M\]"):
+        fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids[:3])
+    with pytest.raises(ValueError, match="fused path only"):
+        fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids, path="two_stage")
+    with pytest.raises(TypeError, match="lora weights have dtype"):
+        fused_moe(x, w1, w2, tw, ti, lora=MoELoRA(**_lora_tensors(dtype=torch.float32)), token_lora_ids=ids)
+    with pytest.raises(ValueError, match="lora is for E=4, H=32, I=16"):
+        fused_moe(x, w1, w2, tw, ti, lora=MoELoRA(**_lora_tensors(I=16)), token_lora_ids=ids)
+    with pytest.raises(TypeError, match="lora must be a fmoe2.MoELoRA"):
+        fused_moe(x, w1, w2, tw, ti, lora=object(), token_lora_ids=ids)
+
+
+def test_auto_path_with_lora_runs_fused_even_where_two_stage_is_picked():
+    M, E, H, I, topk = 40, 2, 32, 24, 2  # 40 tokens per expert: the defaults pick two-stage
+    assert fmoe2.get_config(M, E, H, I, topk, torch.float16, backend="cuda").path == "two_stage"
+    run_and_check(M, E, H, I, topk, 16, torch.float16, config=None)
