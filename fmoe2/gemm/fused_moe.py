@@ -34,8 +34,8 @@ class MoEProblem:
     token_lora_ids: Optional[torch.Tensor] = None  # [M] int32
 
 
-def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path) -> Optional[PreparedMoELoRA]:
-    """Checks the LoRA arguments of :func:`fused_moe`; returns the adapters in the kernel layout (or None)."""
+def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path):
+    """Checks the LoRA arguments of :func:`fused_moe`; returns ``lora`` (or None)."""
     if lora is None and token_lora_ids is None:
         return None
     if lora is None or token_lora_ids is None:
@@ -54,7 +54,7 @@ def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path) -> Option
         raise ValueError("LoRA runs on the fused path only: use path='auto' or 'fused' with lora")
     if lora.device != token_lora_ids.device:
         raise ValueError(f"lora is on {lora.device} but token_lora_ids is on {token_lora_ids.device}")
-    return prepare_lora(lora)
+    return lora
 
 
 def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
@@ -111,12 +111,13 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         raise ValueError(f"path must be one of {('auto',) + PATHS}, got {path!r}")
     if config is not None and not isinstance(config, FusedMoEConfig):
         raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
-    prepared_lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path)
+    lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path)
+    check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
+                      topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids)
+    # Every check has passed: only now convert unprepared adapters (allocates).
+    prepared_lora = prepare_lora(lora) if lora is not None else None
     if out is not None and prepared_lora is not None:
         check_out_overlaps(out, token_lora_ids=token_lora_ids, **prepared_lora.tensors())
-    check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
-                      topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids,
-                      lora=prepared_lora.a13 if prepared_lora is not None else None)
     return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids)
 
 
@@ -154,24 +155,24 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     return grid, args, constexprs, config.launch_options(backend)
 
 
-# Stride argument names of the LoRA tensors: (adapter, expert, row) of a13, b13, a2, b2.
-_LORA_STRIDES = (("la13", "r"), ("lb13", "n"), ("la2", "r"), ("lb2", "h"))
+# (pointer argument, stride prefix, row-stride suffix) of the LoRA tensors a13, b13, a2, b2.
+_LORA_TENSOR_ARGS = (("lora_a13_ptr", "la13", "r"), ("lora_b13_ptr", "lb13", "n"), ("lora_a2_ptr", "la2", "r"),
+                     ("lora_b2_ptr", "lb2", "h"))
 
 
 def _lora_args(problem: MoEProblem, out: torch.Tensor) -> dict:
     """The fused kernel's LoRA arguments; without LoRA, stand-ins that are never dereferenced."""
     lora = problem.lora
     if lora is None:
-        tensors = (out,) * 4
         args = dict(token_lora_ids_ptr=out, lora_scaling_ptr=out, num_loras=0)
+        tensors, strides = (out,) * 4, ((0, 0, 0),) * 4
     else:
-        tensors = (lora.a13, lora.b13, lora.a2, lora.b2)
         args = dict(token_lora_ids_ptr=problem.token_lora_ids, lora_scaling_ptr=lora.scaling,
                     num_loras=lora.num_loras)
-    for (name, row), t in zip(_LORA_STRIDES, tensors):
-        args[f"lora_{name[1:]}_ptr"] = t
-        strides = t.stride()[:3] if lora is not None else (0, 0, 0)
-        args.update({f"stride_{name}_l": strides[0], f"stride_{name}_e": strides[1], f"stride_{name}_{row}": strides[2]})
+        tensors = (lora.a13, lora.b13, lora.a2, lora.b2)
+        strides = tuple(t.stride()[:3] for t in tensors)  # (adapter, expert, row)
+    for (ptr_name, prefix, row), t, (s_l, s_e, s_row) in zip(_LORA_TENSOR_ARGS, tensors, strides):
+        args.update({ptr_name: t, f"stride_{prefix}_l": s_l, f"stride_{prefix}_e": s_e, f"stride_{prefix}_{row}": s_row})
     return args
 
 
