@@ -57,3 +57,18 @@ def test_sm80_lowers_bf16_atomics_to_a_cas_loop():
     r = codegen("sm_80", "qwen3-30b-a3b", "16")
     assert r[("fused_moe", 16)]["cas_loop"]
     assert any(k.startswith("HMMA") for k in r[("fused_moe", 16)]["matrix_instructions"])
+
+
+def test_sm90_lora_kernel_has_no_spills():
+    # BLOCK_M=32 is what the defaults pick for Qwen3 at M=1024; without fit_lora_config the LoRA
+    # kernel spilled there (182 spill instructions, measured slow on H200).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", "sm_90", "--shape", "qwen3-30b-a3b",
+                           "--m", "1,1024", "--lora-rank", "16"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lora = [r for r in reports if r["kernel"] == "fused_moe_lora"]
+    assert len(lora) == 2
+    for r in lora:
+        assert no_spills(r), r
+        assert r["config"]["BLOCK_M"] != 32
