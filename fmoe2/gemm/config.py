@@ -134,11 +134,13 @@ def _arch_key(device) -> Optional[str]:
 
 
 def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
-    """Keeps a fused config free of spills with the LoRA steps compiled in.
+    """Keeps a fused config free of (large) spills with the LoRA steps compiled in.
 
     Measured with ``python -m fmoe2.codegen --target sm_90 --lora-rank 16`` on the tuned H200
-    configs: BLOCK_M=32 spilled (up to 5679 spill instructions, 90x slower), 4 warps with
-    BLOCK_N >= 128 spilled a little, 4 stages needed up to 237 KB of shared memory.
+    configs: BLOCK_M=32 spilled (up to 5679 spill instructions, 90x slower); 4 warps with
+    BLOCK_N >= 128 spilled; 4 stages needed up to 237 KB of shared memory. BLOCK_K is kept: the
+    tiles without adapters run the plain loops, and on the H200 halving BLOCK_K (fewer bytes in
+    flight) made them 1.2-1.5x slower than the plain kernel.
     """
     block_m = 16 if cfg.BLOCK_M == 32 else cfg.BLOCK_M
     num_warps = 8 if cfg.num_warps < 8 and cfg.BLOCK_N >= 128 else cfg.num_warps

@@ -17,23 +17,22 @@ With ``STORE_Y`` the kernel is stage 1 of the two-stage path: it stores ``y`` (r
 applied) in sorted row order and skips the down GEMM, which ``grouped_gemm_kernel`` then does.
 
 With ``HAS_LORA`` (multi-LoRA, layouts in ``fmoe2/gemm/lora.py``) tiles stay per expert, so the
-base weights are read exactly as without adapters whatever the mix of adapters; the rows of a
-tile may use different adapters (token_lora_ids, -1 = none):
+base weights are read exactly as without adapters whatever the mix of adapters. The adapters a
+tile's rows use (token_lora_ids, -1 = none) are numbered densely into slots; LORA_SLOTS slots
+(one group) are stacked into one operand of rank ``LORA_SLOTS * R``, so a tile that mixes up to
+LORA_SLOTS adapters costs one product per step, not one per adapter:
 
-* gate/up shrink ``x @ A13[l]^T``: the tile's first adapter rides the base K loop and reuses the
-  x tile already loaded; each further adapter present in the tile (only tiles that mix adapters)
-  takes one more pass over H, re-reading x (a few KB, from cache). Rows are disjoint, so all
-  shrinks land in one ``[BLOCK_M, 2*R]`` tensor, scaled per row;
+* gate/up shrink: ``x @ A13[stack]^T`` rides the base K loop and reuses the x tile already
+  loaded; each row then keeps the columns of its own slot (``_own_slot``);
 * gate/up expand: one product per adapter present, ``(rows of l) @ B13[l, slice]^T``, added into
-  the accumulator before the activation;
+  the accumulators before the activation (after the loop, once per program);
 * down: per slice ``t = y_slice @ A2[l, :, slice]^T`` (the down GEMM is linear in y, so slice
-  partials sum to the full shrink); the first adapter's ``t @ B2[l, h chunk]^T`` joins the base
-  partial inside the down loop (no extra atomics); further adapters of a mixing tile take one
-  more pass over H after it, with atomic adds into their rows only. (A loop over adapters
-  inside the down loop measured 1.3-1.8x slower on H200: it stops the weight pipelining.)
+  partials sum to the full shrink), spread into the stacked layout (``_to_slots``); inside the
+  down loop ``t @ B2[stack, h chunk]^T`` joins the base partial (no extra atomics).
 
-Tiles with no adapter skip every LoRA step (empty adapter range); ``HAS_LORA=False`` compiles
-the plain kernel.
+Only tiles whose rows use more than LORA_SLOTS adapters (possible when LORA_SLOTS < LORA_IDS)
+take further passes over H per group, with atomic adds into their rows. Tiles without adapters
+branch at run time to the plain loops. ``HAS_LORA=False`` compiles the plain kernel.
 """
 import triton
 import triton.language as tl
@@ -54,19 +53,129 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _tile_adapters(token_lora_ids_ptr, token, row_valid, num_loras):
-    """Adapter of each row (-1: none, padding or out of range) and the range [first, end) present."""
+def _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras, LORA_IDS: tl.constexpr):
+    """Which adapters the tile's rows use, numbered densely in id order (their slots).
+
+    Returns row_lora [BLOCK_M] (adapter id, -1: none, padding or out of range), row_slot
+    [BLOCK_M] (-1 for none), present [LORA_IDS] (0/1 per adapter id), slot_of [LORA_IDS]
+    (the slot of each present id) and num_present (slots in use).
+    """
     row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
     row_lora = tl.where((row_lora >= 0) & (row_lora < num_loras), row_lora, -1)
-    first = tl.min(tl.where(row_lora >= 0, row_lora, num_loras), axis=0)
-    end = tl.max(row_lora, axis=0) + 1
-    return row_lora, first, end
+    ids = tl.arange(0, LORA_IDS)
+    uses = row_lora[:, None] == ids[None, :]
+    present = tl.max(uses.to(tl.int32), axis=0)
+    slot_of = tl.sum(tl.where(ids[None, :] < ids[:, None], present[None, :], 0), axis=1)
+    row_slot = tl.where(row_lora >= 0, tl.sum(tl.where(uses, slot_of[None, :], 0), axis=1), -1)
+    return row_lora, row_slot, present, slot_of, tl.sum(present, axis=0)
 
 
 @triton.jit
-def _rows_use(row_lora, lora):
-    """True when some row of the tile uses adapter ``lora``."""
-    return tl.max((row_lora == lora).to(tl.int32), axis=0) > 0
+def _slot_adapter(present, slot_of, slot, LORA_IDS: tl.constexpr):
+    """The adapter id in ``slot`` (int64 scalar)."""
+    ids = tl.arange(0, LORA_IDS)
+    return tl.sum(tl.where((present > 0) & (slot_of == slot), ids, 0), axis=0).to(tl.int64)
+
+
+@triton.jit
+def _stack(present, slot_of, first_slot, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+    """Rows of a stacked adapter operand: slots [first_slot, first_slot + LORA_SLOTS), WIDTH rows each.
+
+    Returns per stacked row [LORA_SLOTS * WIDTH]: adapter id (int64), row inside the adapter,
+    slot, and whether the slot is in use (rows of unused slots are never loaded).
+    """
+    offs = tl.arange(0, LORA_SLOTS * WIDTH)
+    slot = first_slot + offs // WIDTH
+    ids = tl.arange(0, LORA_IDS)
+    hit = (present[None, :] > 0) & (slot_of[None, :] == slot[:, None])
+    adapter = tl.sum(tl.where(hit, ids[None, :], 0), axis=1).to(tl.int64)
+    used = tl.max(hit.to(tl.int32), axis=1) > 0
+    return adapter, offs % WIDTH, slot, used
+
+
+@triton.jit
+def _own_slot(stacked, row_slot, stack_slot, BLOCK_M: tl.constexpr, LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+    """[BLOCK_M, LORA_SLOTS*WIDTH] -> [BLOCK_M, WIDTH]: each row keeps its own slot's columns (0 if none)."""
+    mine = tl.where(row_slot[:, None] == stack_slot[None, :], stacked, tl.zeros_like(stacked))
+    return tl.sum(tl.reshape(mine, [BLOCK_M, LORA_SLOTS, WIDTH]), axis=1)
+
+
+@triton.jit
+def _to_slots(own, row_slot, stack_slot, BLOCK_M: tl.constexpr, LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+    """Inverse of ``_own_slot``: [BLOCK_M, WIDTH] -> [BLOCK_M, LORA_SLOTS*WIDTH], zeros outside the row's slot."""
+    spread = tl.reshape(tl.broadcast_to(own[:, None, :], [BLOCK_M, LORA_SLOTS, WIDTH]), [BLOCK_M, LORA_SLOTS * WIDTH])
+    return tl.where(row_slot[:, None] == stack_slot[None, :], spread, tl.zeros_like(spread))
+
+
+@triton.jit
+def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H, la_rows, la_used,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
+             WITH_LORA: tl.constexpr, STACK: tl.constexpr):
+    """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice.
+
+    WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
+    (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    shrink = tl.zeros([BLOCK_M, STACK], dtype=tl.float32)
+    if GATE_UP_INTERLEAVED:
+        w_rows = w1_expert + offs_r[:, None] * stride_w1_n
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + offs_k
+            k_valid = k < H
+            a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(w_rows + k[None, :], mask=r_valid[:, None] & k_valid[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            if WITH_LORA:
+                la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
+                shrink = tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    else:
+        gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
+        up_rows = gate_rows + I * stride_w1_n
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + offs_k
+            k_valid = k < H
+            w_mask = n_valid[:, None] & k_valid[None, :]
+            a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            bg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)
+            bu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+            gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
+            up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
+            if WITH_LORA:
+                la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
+                shrink = tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
+    return gate, up, shrink
+
+
+@triton.jit
+def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, offs_n, n_valid, H, ds_stacked, lb2_cols, lb2_used,
+          stride_lb2_h, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr,
+          WITH_LORA: tl.constexpr):
+    """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2[lb2_cols]^T), over H in BLOCK_H chunks, atomically.
+
+    ``lb2_cols``: [STACK] pointers to the stacked B2 columns at h = 0; WITH_BASE=False adds only
+    the LoRA term (further slot groups).
+    """
+    offs_h0 = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + offs_h0
+        h_valid = offs_h < H
+        if WITH_BASE:
+            w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :],
+                        mask=h_valid[:, None] & n_valid[None, :], other=0.0)
+            partial = tl.dot(y, tl.trans(w), input_precision="ieee")
+        else:
+            partial = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        if WITH_LORA:
+            lb2 = tl.load(lb2_cols[None, :] + offs_h[:, None] * stride_lb2_h, mask=h_valid[:, None] & lb2_used[None, :],
+                          other=0.0)
+            partial = tl.dot(ds_stacked, tl.trans(lb2), partial, input_precision="ieee")
+        tl.atomic_add(out_rows + offs_h[None, :], partial.to(out_rows.dtype.element_ty),
+                      mask=row_mask[:, None] & h_valid[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -78,7 +187,7 @@ def _fused_moe_kernel(
     y_ptr,  # [num_grid_tiles * BLOCK_M, I] (STORE_Y only): activated, weighted intermediate in sorted order
     token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none (HAS_LORA only, like every lora_* below)
     lora_a13_ptr,  # [L, E, 2*LORA_RANK, H_pad]: gate A rows then up A rows
-    lora_b13_ptr,  # [L, E, 2*I, 2*LORA_RANK]: gate/up rows interleaved, block diagonal
+    lora_b13_ptr,  # [L, E, 2*I, LORA_RANK]: gate rows then up rows
     lora_a2_ptr,  # [L, E, LORA_RANK, I_pad]
     lora_b2_ptr,  # [L, E, H, LORA_RANK]
     lora_scaling_ptr,  # [L] float32
@@ -122,6 +231,8 @@ def _fused_moe_kernel(
     STORE_Y: tl.constexpr,  # two-stage path, stage 1: store y and stop (no down GEMM)
     HAS_LORA: tl.constexpr,
     LORA_RANK: tl.constexpr,  # padded rank (power of two >= 16)
+    LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
+    LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` exit at once.
 
@@ -146,84 +257,61 @@ def _fused_moe_kernel(
     token = token.to(tl.int64)
     route_weight = tl.load(sorted_weights_ptr + offs_m)
 
-    offs_k = tl.arange(0, BLOCK_K)
     offs_n = slice_id * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < I
-    x_rows = x_ptr + token[:, None] * stride_x_m
-    w1_expert = w1_ptr + expert * stride_w1_e
     offs_r = slice_id * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)  # interleaved gate/up rows of the slice
     r_valid = offs_r < 2 * I
+    x_rows = x_ptr + token[:, None] * stride_x_m
+    w1_expert = w1_ptr + expert * stride_w1_e
+    w2_expert = w2_ptr + expert * stride_w2_e
+    out_rows = out_ptr + token[:, None] * stride_out_m
+    GU_STACK: tl.constexpr = LORA_SLOTS * 2 * LORA_RANK  # stacked gate+up shrink width
+    D_STACK: tl.constexpr = LORA_SLOTS * LORA_RANK  # stacked down shrink width
     if HAS_LORA:
-        row_lora, lora_first, lora_end = _tile_adapters(token_lora_ids_ptr, token, row_valid, num_loras)
-        rows_first = row_lora == lora_first
-        offs_r2 = tl.arange(0, 2 * LORA_RANK)
-        # All-false rows when the tile has no adapter: its shrink loads move no data.
-        la_first_valid = offs_r2 < tl.where(lora_first < num_loras, 2 * LORA_RANK, 0)
-        la13_first = (lora_a13_ptr + tl.minimum(lora_first, num_loras - 1).to(tl.int64) * stride_la13_l
-                      + expert * stride_la13_e + offs_r2[:, None] * stride_la13_r)
-        shrink = tl.zeros([BLOCK_M, 2 * LORA_RANK], dtype=tl.float32)
-
-    # Gate + up over all of H, fp32 accumulation.
-    if GATE_UP_INTERLEAVED:
-        w_rows = w1_expert + offs_r[:, None] * stride_w1_n
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + offs_k
-            k_valid = k < H
-            a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            b = tl.load(w_rows + k[None, :], mask=r_valid[:, None] & k_valid[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            if HAS_LORA:
-                la = tl.load(la13_first + k[None, :], mask=la_first_valid[:, None] & k_valid[None, :], other=0.0)
-                shrink = tl.dot(tl.where(rows_first[:, None], a, tl.zeros_like(a)), tl.trans(la), shrink,
-                                input_precision="ieee")
+        row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
+                                                                         num_loras, LORA_IDS)
+        row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
     else:
-        gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
-        up_rows = gate_rows + I * stride_w1_n
-        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + offs_k
-            k_valid = k < H
-            w_mask = n_valid[:, None] & k_valid[None, :]
-            a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            bg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)
-            bu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
-            gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
-            up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
-            if HAS_LORA:
-                la = tl.load(la13_first + k[None, :], mask=la_first_valid[:, None] & k_valid[None, :], other=0.0)
-                shrink = tl.dot(tl.where(rows_first[:, None], a, tl.zeros_like(a)), tl.trans(la), shrink,
-                                input_precision="ieee")
-        if HAS_LORA:  # the LoRA expand works on the interleaved accumulator layout
-            acc = tl.reshape(tl.join(gate, up), [BLOCK_M, 2 * BLOCK_N])
-
-    if HAS_LORA:
-        # Further adapters of a tile that mixes them: one more pass over H each (rows are disjoint).
-        for lora in range(lora_first + 1, lora_end):
-            if _rows_use(row_lora, lora):
-                rows = row_lora == lora
-                la13 = (lora_a13_ptr + tl.cast(lora, tl.int64) * stride_la13_l + expert * stride_la13_e
-                        + offs_r2[:, None] * stride_la13_r)
+        num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
+    if num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
+        gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
+                               offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16)
+    else:
+        offs_c = tl.arange(0, 2 * LORA_RANK)
+        a13_expert = lora_a13_ptr + expert * stride_la13_e
+        # Gate/up shrink of the first slot group inside the base K loop.
+        la_adapter, la_row, gu_slot, la_used = _stack(present, slot_of, 0, LORA_IDS, LORA_SLOTS, 2 * LORA_RANK)
+        gate, up, shrink = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
+                                    a13_expert + la_adapter * stride_la13_l + la_row * stride_la13_r, la_used,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, True, GU_STACK)
+        shrink = _own_slot(shrink, row_slot, gu_slot, BLOCK_M, LORA_SLOTS, 2 * LORA_RANK)
+        if LORA_SLOTS < LORA_IDS:
+            # Tiles using more than LORA_SLOTS adapters: one more pass over H per further group.
+            offs_k = tl.arange(0, BLOCK_K)
+            for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
+                la_adapter, la_row, gu_slot, la_used = _stack(present, slot_of, first_slot, LORA_IDS, LORA_SLOTS,
+                                                              2 * LORA_RANK)
+                la_rows = a13_expert + la_adapter * stride_la13_l + la_row * stride_la13_r
+                group_shrink = tl.zeros([BLOCK_M, GU_STACK], dtype=tl.float32)
                 for k0 in range(0, H, BLOCK_K):
                     k = k0 + offs_k
                     k_valid = k < H
-                    a = tl.load(x_rows + k[None, :], mask=rows[:, None] & k_valid[None, :], other=0.0)
-                    la = tl.load(la13 + k[None, :], mask=k_valid[None, :], other=0.0)
-                    shrink = tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
-        row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
+                    a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+                    la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
+                    group_shrink = tl.dot(a, tl.trans(la), group_shrink, input_precision="ieee")
+                shrink += _own_slot(group_shrink, row_slot, gu_slot, BLOCK_M, LORA_SLOTS, 2 * LORA_RANK)
         shrink = (shrink * row_scale[:, None]).to(x_ptr.dtype.element_ty)
-        # Expand: gate and up deltas of this slice, one product per adapter present.
-        for lora in range(lora_first, lora_end):
-            if _rows_use(row_lora, lora):
-                lb13 = (lora_b13_ptr + tl.cast(lora, tl.int64) * stride_lb13_l + expert * stride_lb13_e
-                        + offs_r[:, None] * stride_lb13_n + offs_r2[None, :])
-                lb = tl.load(lb13, mask=r_valid[:, None], other=0.0)
-                acc = tl.dot(tl.where((row_lora == lora)[:, None], shrink, tl.zeros_like(shrink)), tl.trans(lb), acc,
-                             input_precision="ieee")
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    elif GATE_UP_INTERLEAVED:
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        # Expand, once per adapter present: columns [0, R) of the shrink are gate, [R, 2R) up.
+        gate_col = offs_c < LORA_RANK
+        b13_cols = (lora_b13_ptr + expert * stride_lb13_e + offs_n[:, None] * stride_lb13_n
+                    + (offs_c % LORA_RANK)[None, :])
+        for slot in tl.range(0, num_present, num_stages=1):  # not pipelined: it would multiply shared memory
+            b13 = b13_cols + _slot_adapter(present, slot_of, slot, LORA_IDS) * stride_lb13_l
+            lbg = tl.load(b13, mask=n_valid[:, None] & gate_col[None, :], other=0.0)
+            lbu = tl.load(b13 + I * stride_lb13_n, mask=n_valid[:, None] & ~gate_col[None, :], other=0.0)
+            rows_shrink = tl.where((row_slot == slot)[:, None], shrink, tl.zeros_like(shrink))
+            gate = tl.dot(rows_shrink, tl.trans(lbg), gate, input_precision="ieee")
+            up = tl.dot(rows_shrink, tl.trans(lbu), up, input_precision="ieee")
 
     # The down GEMM is linear in y, so the routing weight is applied once here.
     y = _gated_activation(gate, up, ACTIVATION) * route_weight[:, None]
@@ -233,55 +321,34 @@ def _fused_moe_kernel(
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], y, mask=n_valid[None, :])
         return
 
-    if HAS_LORA:
-        # Down shrink of this slice, t = y_slice @ A2[l, :, slice]^T per adapter, rows disjoint.
-        offs_rank = tl.arange(0, LORA_RANK)
-        down_shrink = tl.zeros([BLOCK_M, LORA_RANK], dtype=tl.float32)
-        for lora in range(lora_first, lora_end):
-            if _rows_use(row_lora, lora):
-                la2 = tl.load(lora_a2_ptr + tl.cast(lora, tl.int64) * stride_la2_l + expert * stride_la2_e
-                              + offs_rank[:, None] * stride_la2_r + offs_n[None, :], mask=n_valid[None, :], other=0.0)
-                down_shrink = tl.dot(tl.where((row_lora == lora)[:, None], y, tl.zeros_like(y)), tl.trans(la2),
-                                     down_shrink, input_precision="ieee")
-        down_shrink = (down_shrink * row_scale[:, None]).to(x_ptr.dtype.element_ty)
-        down_shrink_first = tl.where(rows_first[:, None], down_shrink, tl.zeros_like(down_shrink))
-        lb2_first = (lora_b2_ptr + tl.minimum(lora_first, num_loras - 1).to(tl.int64) * stride_lb2_l
-                     + expert * stride_lb2_e + offs_rank[None, :])
-        lb2_first_valid = offs_rank < tl.where(lora_first < num_loras, LORA_RANK, 0)  # no adapter: no load
-
     # Down GEMM of this slice over all of H, added into the output.
-    w2_expert = w2_ptr + expert * stride_w2_e
-    out_rows = out_ptr + token[:, None] * stride_out_m
-    offs_h0 = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + offs_h0
-        h_valid = offs_h < H
-        w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :],
-                    mask=h_valid[:, None] & n_valid[None, :], other=0.0)
-        partial = tl.dot(y, tl.trans(w), input_precision="ieee")
-        if HAS_LORA:  # the first adapter's delta joins the base partial: no extra atomics
-            lb2 = tl.load(lb2_first + offs_h[:, None] * stride_lb2_h, mask=h_valid[:, None] & lb2_first_valid[None, :],
-                          other=0.0)
-            partial = tl.dot(down_shrink_first, tl.trans(lb2), partial, input_precision="ieee")
-        tl.atomic_add(out_rows + offs_h[None, :], partial.to(out_ptr.dtype.element_ty),
-                      mask=row_valid[:, None] & h_valid[None, :], sem="relaxed")
-
-    if HAS_LORA:
-        # Tiles that mix adapters: the further adapters' down deltas in one more pass over H, added
-        # into their rows only. Kept out of the loop above, whose weight pipelining a nested
-        # adapter loop would break.
-        if lora_end - lora_first > 1:
-            rows_rest = row_lora > lora_first
-            for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + offs_h0
-                h_valid = offs_h < H
-                partial = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-                for lora in range(lora_first + 1, lora_end):
-                    if _rows_use(row_lora, lora):
-                        lb2 = tl.load(lora_b2_ptr + tl.cast(lora, tl.int64) * stride_lb2_l + expert * stride_lb2_e
-                                      + offs_h[:, None] * stride_lb2_h + offs_rank[None, :], mask=h_valid[:, None],
-                                      other=0.0)
-                        partial = tl.dot(tl.where((row_lora == lora)[:, None], down_shrink, tl.zeros_like(down_shrink)),
-                                         tl.trans(lb2), partial, input_precision="ieee")
-                tl.atomic_add(out_rows + offs_h[None, :], partial.to(out_ptr.dtype.element_ty),
-                              mask=rows_rest[:, None] & h_valid[None, :], sem="relaxed")
+    if num_present == 0:
+        _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H, y, offs_n, n_valid, 0,
+              BLOCK_M, BLOCK_H, True, False)
+    else:
+        # Down shrink of this slice, t = y_slice @ A2[l, :, slice]^T, once per adapter present.
+        offs_rank = tl.arange(0, LORA_RANK)
+        a2_rows = lora_a2_ptr + expert * stride_la2_e + offs_rank[:, None] * stride_la2_r + offs_n[None, :]
+        down_shrink = tl.zeros([BLOCK_M, LORA_RANK], dtype=tl.float32)
+        for slot in tl.range(0, num_present, num_stages=1):  # not pipelined: it would multiply shared memory
+            la2 = tl.load(a2_rows + _slot_adapter(present, slot_of, slot, LORA_IDS) * stride_la2_l,
+                          mask=n_valid[None, :], other=0.0)
+            down_shrink = tl.dot(tl.where((row_slot == slot)[:, None], y, tl.zeros_like(y)), tl.trans(la2),
+                                 down_shrink, input_precision="ieee")
+        down_shrink = (down_shrink * row_scale[:, None]).to(x_ptr.dtype.element_ty)
+        # Its expand joins the base partial in the down loop, for the first slot group.
+        b2_expert = lora_b2_ptr + expert * stride_lb2_e
+        lb2_adapter, lb2_col, d_slot, lb2_used = _stack(present, slot_of, 0, LORA_IDS, LORA_SLOTS, LORA_RANK)
+        _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
+              _to_slots(down_shrink, row_slot, d_slot, BLOCK_M, LORA_SLOTS, LORA_RANK),
+              b2_expert + lb2_adapter * stride_lb2_l + lb2_col, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H, True, True)
+        if LORA_SLOTS < LORA_IDS:
+            # Further slot groups: their own pass over H, atomics on their rows only.
+            for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
+                lb2_adapter, lb2_col, d_slot, lb2_used = _stack(present, slot_of, first_slot, LORA_IDS, LORA_SLOTS,
+                                                                LORA_RANK)
+                _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
+                      stride_w2_h, offs_n, n_valid, H,
+                      _to_slots(down_shrink, row_slot, d_slot, BLOCK_M, LORA_SLOTS, LORA_RANK),
+                      b2_expert + lb2_adapter * stride_lb2_l + lb2_col, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H,
+                      False, True)

@@ -18,10 +18,7 @@ padded with zeros to ``R_pad = max(16, next_pow2(R))`` (the smallest matrix-inst
 
     a13 [L, E, 2*R_pad, H_pad]   rows 0..R_pad-1 gate_a, rows R_pad.. up_a: one shrink product
                                   gives both gate and up shrinks
-    b13 [L, E, 2*I, 2*R_pad]     row 2n = [gate_b[n], 0], row 2n+1 = [0, up_b[n]]: the gate/up
-                                  row interleave of the prepared base weights, block-diagonal so
-                                  one expand product adds both deltas into the interleaved
-                                  accumulator
+    b13 [L, E, 2*I, R_pad]       rows 0..I-1 gate_b, rows I.. up_b (whatever the base layout)
     a2  [L, E, R_pad, I_pad]     b2 [L, E, H, R_pad]
 
 ``H_pad``/``I_pad`` round H and I up to ``pad_to`` (default 64) so rows start 16-byte aligned.
@@ -152,7 +149,7 @@ class PreparedMoELoRA:
     """:class:`MoELoRA` in the kernel's layout (module docstring); made by :func:`prepare_lora`."""
 
     a13: torch.Tensor  # [L, E, 2*R_pad, H_pad]
-    b13: torch.Tensor  # [L, E, 2*I, 2*R_pad]
+    b13: torch.Tensor  # [L, E, 2*I, R_pad]
     a2: torch.Tensor  # [L, E, R_pad, I_pad]
     b2: torch.Tensor  # [L, E, H, R_pad]
     scaling: torch.Tensor  # [L] float32
@@ -188,7 +185,7 @@ class PreparedMoELoRA:
         R, R_pad, H, inter = self.rank, self.padded_rank, self.hidden_size, self.intermediate_size
         return MoELoRA(
             gate_a=self.a13[:, :, :R, :H], up_a=self.a13[:, :, R_pad:R_pad + R, :H],
-            gate_b=self.b13[:, :, 0::2, :R], up_b=self.b13[:, :, 1::2, R_pad:R_pad + R],
+            gate_b=self.b13[:, :, :inter, :R], up_b=self.b13[:, :, inter:, :R],
             down_a=self.a2[:, :, :R, :inter], down_b=self.b2[:, :, :, :R], scaling=self.scaling.clone())
 
 
@@ -207,9 +204,9 @@ def prepare_lora(lora: MoELoRA, *, pad_to: int = 64) -> PreparedMoELoRA:
     a13 = lora.gate_a.new_zeros(L, E, 2 * R_pad, h_pad)
     a13[:, :, :R, :H] = lora.gate_a
     a13[:, :, R_pad:R_pad + R, :H] = lora.up_a
-    b13 = lora.gate_a.new_zeros(L, E, 2 * inter, 2 * R_pad)
-    b13[:, :, 0::2, :R] = lora.gate_b
-    b13[:, :, 1::2, R_pad:R_pad + R] = lora.up_b
+    b13 = lora.gate_a.new_zeros(L, E, 2 * inter, R_pad)
+    b13[:, :, :inter, :R] = lora.gate_b
+    b13[:, :, inter:, :R] = lora.up_b
     a2 = lora.gate_a.new_zeros(L, E, R_pad, i_pad)
     a2[:, :, :R, :inter] = lora.down_a
     b2 = lora.gate_a.new_zeros(L, E, H, R_pad)

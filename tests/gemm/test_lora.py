@@ -1,8 +1,11 @@
 """fused_moe with multi-LoRA against the float64 reference (CPU interpreter in fp16/fp32, or the
 GPU): mixed adapters, tokens without one, every rank, adapters on some experts only, odd sizes,
 layouts, and the argument checks."""
+import importlib
+
 import pytest
 import torch
+import triton
 
 import fmoe2
 from fmoe2 import FusedMoEConfig, MoELoRA, fused_moe, prepare_lora, prepare_weights
@@ -69,17 +72,29 @@ def test_adapters_on_some_experts_only():
     run_and_check(23, 6, 40, 24, 2, 16, torch.float16, experts=[1, 4], seed=4)
 
 
-def test_many_adapters_one_expert_tile():
-    # All tokens on one expert, 8 adapters: every tile mixes many adapters (extra shrink passes).
+@pytest.mark.parametrize("num_loras,rank", [(8, 16), (16, 8), (5, 64), (3, 32), (2, 16)])
+def test_many_adapters_one_expert_tile(num_loras, rank):
+    # All tokens on one expert, every tile mixes many adapters: with more adapters in a tile than
+    # the kernel stacks into one operand (LORA_SLOTS), further slot groups take extra passes.
     M = 40
     ids = torch.zeros(M, 1, dtype=torch.int32)
-    lora_ids = (torch.arange(M, dtype=torch.int32) % 9 - 1).to(DEVICE)  # -1, 0..7
+    lora_ids = (torch.arange(M, dtype=torch.int32) % (num_loras + 1) - 1).to(DEVICE)  # -1, 0..L-1
     x, w1, w2, tw, ti = make_problem(M, 2, 32, 40, 1, torch.float16, ids=ids)
-    lora = make_lora(8, 2, 32, 40, 16, torch.float16)
+    lora = make_lora(num_loras, 2, 32, 40, rank, torch.float16)
     cfg = FusedMoEConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_H=32)
     out = fused_moe(x, prepare_weights(w1, w2), None, tw, ti, lora=lora, token_lora_ids=lora_ids, config=cfg,
                     out=poisoned(M, 32, torch.float16))
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+
+
+def test_lora_slots_stack_adapters_up_to_the_stack_width():
+    fm = importlib.import_module("fmoe2.gemm.fused_moe")
+    for (num_loras, rank), slots in {(4, 16): 4, (16, 16): 4, (3, 8): 4, (2, 16): 2, (4, 32): 2, (16, 64): 1}.items():
+        lora = prepare_lora(make_lora(num_loras, 2, 16, 16, rank, torch.float16))
+        c = fm.lora_constexprs(lora, num_rows=64, num_experts=8)
+        assert c["LORA_SLOTS"] == slots and c["LORA_IDS"] == triton.next_power_of_2(num_loras), (num_loras, rank, c)
+        # Decode (under 2 rows per expert): tiles rarely mix adapters, one slot.
+        assert fm.lora_constexprs(lora, num_rows=15, num_experts=8)["LORA_SLOTS"] == 1
 
 
 def test_gelu_with_lora():
