@@ -158,7 +158,7 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
 LORA_STACK_WIDTH = 128  # max stacked gate+up shrink columns (LORA_SLOTS * 2 * padded rank)
 
 
-def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int = 0, num_experts: int = 1) -> dict:
+def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts: int) -> dict:
     """LORA_RANK, LORA_IDS and LORA_SLOTS for ``num_rows`` = M*topk routed rows.
 
     With fewer than 2 rows per expert on average, tiles rarely mix adapters: one slot (on the

@@ -78,11 +78,12 @@ def _slot_adapter(present, slot_of, slot, LORA_IDS: tl.constexpr):
 
 
 @triton.jit
-def _stack(present, slot_of, first_slot, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+def _stack(base, stride_l, stride_row, present, slot_of, first_slot, LORA_IDS: tl.constexpr,
+           LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
     """Rows of a stacked adapter operand: slots [first_slot, first_slot + LORA_SLOTS), WIDTH rows each.
 
-    Returns per stacked row [LORA_SLOTS * WIDTH]: adapter id (int64), row inside the adapter,
-    slot, and whether the slot is in use (rows of unused slots are never loaded).
+    Returns per stacked row [LORA_SLOTS * WIDTH]: its pointer ``base + adapter * stride_l + row *
+    stride_row``, its slot, and whether the slot is in use (rows of unused slots are never loaded).
     """
     offs = tl.arange(0, LORA_SLOTS * WIDTH)
     slot = first_slot + offs // WIDTH
@@ -90,7 +91,7 @@ def _stack(present, slot_of, first_slot, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.
     hit = (present[None, :] > 0) & (slot_of[None, :] == slot[:, None])
     adapter = tl.sum(tl.where(hit, ids[None, :], 0), axis=1).to(tl.int64)
     used = tl.max(hit.to(tl.int32), axis=1) > 0
-    return adapter, offs % WIDTH, slot, used
+    return base + adapter * stride_l + (offs % WIDTH) * stride_row, slot, used
 
 
 @triton.jit
@@ -266,7 +267,6 @@ def _fused_moe_kernel(
     w2_expert = w2_ptr + expert * stride_w2_e
     out_rows = out_ptr + token[:, None] * stride_out_m
     GU_STACK: tl.constexpr = LORA_SLOTS * 2 * LORA_RANK  # stacked gate+up shrink width
-    D_STACK: tl.constexpr = LORA_SLOTS * LORA_RANK  # stacked down shrink width
     if HAS_LORA:
         row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
                                                                          num_loras, LORA_IDS)
@@ -280,18 +280,18 @@ def _fused_moe_kernel(
         offs_c = tl.arange(0, 2 * LORA_RANK)
         a13_expert = lora_a13_ptr + expert * stride_la13_e
         # Gate/up shrink of the first slot group inside the base K loop.
-        la_adapter, la_row, gu_slot, la_used = _stack(present, slot_of, 0, LORA_IDS, LORA_SLOTS, 2 * LORA_RANK)
+        la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of, 0, LORA_IDS,
+                                           LORA_SLOTS, 2 * LORA_RANK)
         gate, up, shrink = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
-                                    a13_expert + la_adapter * stride_la13_l + la_row * stride_la13_r, la_used,
+                                    la_rows, la_used,
                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, True, GU_STACK)
         shrink = _own_slot(shrink, row_slot, gu_slot, BLOCK_M, LORA_SLOTS, 2 * LORA_RANK)
         if LORA_SLOTS < LORA_IDS:
             # Tiles using more than LORA_SLOTS adapters: one more pass over H per further group.
             offs_k = tl.arange(0, BLOCK_K)
             for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
-                la_adapter, la_row, gu_slot, la_used = _stack(present, slot_of, first_slot, LORA_IDS, LORA_SLOTS,
-                                                              2 * LORA_RANK)
-                la_rows = a13_expert + la_adapter * stride_la13_l + la_row * stride_la13_r
+                la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of,
+                                                   first_slot, LORA_IDS, LORA_SLOTS, 2 * LORA_RANK)
                 group_shrink = tl.zeros([BLOCK_M, GU_STACK], dtype=tl.float32)
                 for k0 in range(0, H, BLOCK_K):
                     k = k0 + offs_k
@@ -338,17 +338,17 @@ def _fused_moe_kernel(
         down_shrink = (down_shrink * row_scale[:, None]).to(x_ptr.dtype.element_ty)
         # Its expand joins the base partial in the down loop, for the first slot group.
         b2_expert = lora_b2_ptr + expert * stride_lb2_e
-        lb2_adapter, lb2_col, d_slot, lb2_used = _stack(present, slot_of, 0, LORA_IDS, LORA_SLOTS, LORA_RANK)
+        lb2_cols, d_slot, lb2_used = _stack(b2_expert, stride_lb2_l, 1, present, slot_of, 0, LORA_IDS, LORA_SLOTS,
+                                            LORA_RANK)
         _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
               _to_slots(down_shrink, row_slot, d_slot, BLOCK_M, LORA_SLOTS, LORA_RANK),
-              b2_expert + lb2_adapter * stride_lb2_l + lb2_col, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H, True, True)
+              lb2_cols, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H, True, True)
         if LORA_SLOTS < LORA_IDS:
             # Further slot groups: their own pass over H, atomics on their rows only.
             for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
-                lb2_adapter, lb2_col, d_slot, lb2_used = _stack(present, slot_of, first_slot, LORA_IDS, LORA_SLOTS,
-                                                                LORA_RANK)
+                lb2_cols, d_slot, lb2_used = _stack(b2_expert, stride_lb2_l, 1, present, slot_of, first_slot, LORA_IDS,
+                                                    LORA_SLOTS, LORA_RANK)
                 _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
                       stride_w2_h, offs_n, n_valid, H,
                       _to_slots(down_shrink, row_slot, d_slot, BLOCK_M, LORA_SLOTS, LORA_RANK),
-                      b2_expert + lb2_adapter * stride_lb2_l + lb2_col, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H,
-                      False, True)
+                      lb2_cols, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H, False, True)
