@@ -71,18 +71,24 @@ def test_sm80_lowers_bf16_atomics_to_a_cas_loop():
     assert any(k.startswith("HMMA") for k in r[("fused_moe", 16)]["matrix_instructions"])
 
 
-@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b"])
-def test_sm90_lora_kernel_spills_at_most_a_few_registers(shape):
+SM90_SHARED_MEMORY = 232448  # bytes per block on H100/H200
+
+
+@pytest.mark.parametrize("shape,rank", [("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16), ("mixtral-8x7b", 64)])
+def test_sm90_lora_kernel_spills_at_most_a_few_registers(shape, rank):
     # BLOCK_M=32 is what the defaults pick for Qwen3 at M=1024; without fit_lora_config the LoRA
     # kernel spilled there (182 spill instructions, measured slow on H200). A handful of spill
     # instructions outside the loops is the cost of keeping the plain BLOCK_K (measured faster).
     env = codegen_env()
     proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", "sm_90", "--shape", shape,
-                           "--m", "1,16,128,1024", "--lora-rank", "16"], capture_output=True, text=True, env=env, timeout=600)
+                           "--m", "1,16,128,1024", "--lora-rank", str(rank)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     lora = [r for r in reports if r["kernel"] == "fused_moe_lora"]
     assert len(lora) == 4
     for r in lora:
-        assert r["spill_instructions"] <= MAX_LORA_SPILLS, r
+        if rank == 16:  # the benchmarked rank; rank 64 spills 43 at Mixtral M=1024 (not measured on a GPU)
+            assert r["spill_instructions"] <= MAX_LORA_SPILLS, r
+        # Pipelined per-adapter loops once needed 266 KB at rank 64 (an out-of-resources launch).
+        assert r["shared_memory_bytes"] <= SM90_SHARED_MEMORY, r
         assert r["config"]["BLOCK_M"] != 32
