@@ -92,21 +92,22 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         def run_base(cfgs):
             return lambda: vllm_style_fused_experts(x, w1, w2, tw, ti, *cfgs)
 
-        default_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)
+        picked_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)  # what fused_moe runs here
+        default_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, tuned=False)  # without a tuned file
         if do_search:
             f_cfg, _, f_all = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), run_fmoe2,
                                      f"{name} M={M} fmoe2")
             b_cfgs, _, _ = search(baseline_candidates(M, E, topk), run_base, f"{name} M={M} baseline")
             fused_cfg = min((r for r in f_all if r[0].path == "fused"), key=lambda r: r[1])[0]
         else:
-            f_cfg, b_cfgs = default_cfg, baseline_candidates(M, E, topk)[0]
+            f_cfg, b_cfgs = picked_cfg, baseline_candidates(M, E, topk)[0]
             fused_cfg = f_cfg if f_cfg.path == "fused" else None
 
         ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti)
         err_f = rel_err(fmoe2.fused_moe(x, prepared, None, tw, ti, config=f_cfg), ref)
         err_b = rel_err(vllm_style_fused_experts(x, w1, w2, tw, ti, *b_cfgs), ref)
         t_f = time_in_graph(run_fmoe2(f_cfg))
-        t_default = time_in_graph(run_fmoe2(default_cfg)) if do_search else t_f
+        t_default = time_in_graph(run_fmoe2(default_cfg)) if default_cfg != f_cfg else t_f
         t_plain = time_in_graph(lambda: fmoe2.fused_moe(x, w1, w2, tw, ti, out=out, config=f_cfg))
         t_fused = time_in_graph(run_fmoe2(fused_cfg)) if fused_cfg is not None and fused_cfg != f_cfg else (
             t_f if f_cfg.path == "fused" else float("nan"))

@@ -26,7 +26,7 @@ def _load(out_dir: str, device: str):
 
 def _table(runs) -> str:
     lines = ["| shape | M | fmoe2 (us) | path | fused path only (us) | baseline (us) | speedup | fmoe2 / floor | "
-             "sort (us) / budget | fmoe2 default config (us) | rel. err fmoe2 / baseline |",
+             "sort (us) / budget | fmoe2 default config, no tuned file (us) | rel. err fmoe2 / baseline |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     speedups = []
     for run in runs:

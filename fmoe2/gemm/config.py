@@ -14,6 +14,11 @@ dimension it tiles, and never goes under 16, the smallest matrix-instruction siz
 ``MAX_ATOMIC_ADDS`` atomic adds (``topk * ceil(I / BLOCK_N)``): every add rounds the running sum
 to the output dtype, so the error grows like the square root of their number (measured on an
 H200: Mixtral, M=1, 896 bf16 adds per element gave a relative error of 4e-2; 112 adds about 1.5e-2).
+A widened config keeps weight tiles of up to ``MAX_WEIGHT_TILE`` elements (BLOCK_K=64 at
+BLOCK_N=256) with enough warps to hold them, and no more pipeline stages than the backend's
+shared memory takes (``PIPELINE_ELEMENTS``). Measured on an H200 against the tuned configs:
+16384-element tiles (BLOCK_K=32) made the Mixtral defaults 1.44-1.53x slower than tuned at
+M=1/16/128; 32768-element tiles bring them within 1.03x.
 """
 from __future__ import annotations
 
@@ -32,7 +37,16 @@ HIP_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 PATHS = ("fused", "two_stage")
 MAX_ATOMIC_ADDS = 128  # per output element, for bf16/fp16 outputs
 MAX_BLOCK_N = 256
-MAX_WEIGHT_TILE = 16384  # elements of one weight tile ([2*BLOCK_N, BLOCK_K] or [BLOCK_H, BLOCK_N]) once widened
+MAX_WEIGHT_TILE = 32768  # elements of the gate/up weight tile [2*BLOCK_N, BLOCK_K] once widened
+MAX_DOWN_TILE = 16384  # elements of the down weight tile [BLOCK_H, BLOCK_N] once widened (BLOCK_H=128 at
+# BLOCK_N=256 spilled on sm_80; BLOCK_H=64 measured as fast on the H200)
+# A widened program gets >= tile/WEIGHT_TILE_PER_WARP warps: on sm_90, BLOCK_K=64 at BLOCK_N=256 spilled
+# 40 instructions with 4 warps and none with 8.
+WEIGHT_TILE_PER_WARP = 4096
+# Weight-tile elements in flight (num_stages x tile) once widened: 3 x 64 KB stages fit sm_80's 164 KB of
+# shared memory (and Hopper's 227 KB); 2 x 32 KB fit the 64 KiB LDS of gfx942.
+PIPELINE_ELEMENTS = {"cuda": 3 * 32768, "hip": 2 * 16384}
+MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
 
@@ -138,37 +152,55 @@ def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
 
     Measured with ``python -m fmoe2.codegen --target sm_90 --lora-rank 16`` on the tuned H200
     configs: BLOCK_M=32 spilled (up to 5679 spill instructions, 90x slower); 4 warps with
-    BLOCK_N >= 128 spilled; 4 stages needed up to 237 KB of shared memory. BLOCK_K is kept: the
-    tiles without adapters run the plain loops, and on the H200 halving BLOCK_K (fewer bytes in
-    flight) made them 1.2-1.5x slower than the plain kernel.
+    BLOCK_N >= 128 spilled; 4 stages needed up to 237 KB of shared memory. BLOCK_K is kept, except
+    for 64-row tiles (below): the tiles without adapters run the plain loops, and on the H200
+    halving BLOCK_K (fewer bytes in flight) made them 1.2-1.5x slower than the plain kernel.
     """
     block_m = 16 if cfg.BLOCK_M == 32 else cfg.BLOCK_M
     num_warps = 8 if cfg.num_warps < 8 and cfg.BLOCK_N >= 128 else cfg.num_warps
-    return replace(cfg, BLOCK_M=block_m, num_warps=num_warps, num_stages=min(cfg.num_stages, 3))
+    block_k = cfg.BLOCK_K
+    # With 64-row tiles the x tile and the stacked adapters' A grow too: BLOCK_K=64 at BLOCK_N=256
+    # needed 270 KB of shared memory (Mixtral M=1024); 16384-element weight tiles fit (229 KB).
+    while block_m >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:
+        block_k //= 2
+    return replace(cfg, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps, num_stages=min(cfg.num_stages, 3))
 
 
-def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto") -> FusedMoEConfig:
+def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",
+               backend: Optional[str] = None) -> FusedMoEConfig:
     """Clamps a config to the problem (see the module docstring); every config used goes through here.
 
-    ``path`` ("fused"/"two_stage") switches the config's path first; "auto" keeps it.
+    ``path`` ("fused"/"two_stage") switches the config's path first; "auto" keeps it. ``backend``
+    ("cuda"/"hip", default: this machine's) sets the shared-memory budget of widened configs.
     """
+    backend = backend or current_backend()
     if path not in ("auto", cfg.path):
         cfg = replace(cfg, path=path)
     def cap(block, dim):
         return max(16, min(block, triton.next_power_of_2(dim)))
 
-    block_m, block_n, block_k, block_h, num_warps = cfg.BLOCK_M, cap(cfg.BLOCK_N, I), cfg.BLOCK_K, cfg.BLOCK_H, cfg.num_warps
+    block_m, block_n, block_k, block_h = cfg.BLOCK_M, cap(cfg.BLOCK_N, I), cfg.BLOCK_K, cfg.BLOCK_H
+    num_warps, num_stages = cfg.num_warps, cfg.num_stages
     if dtype in (torch.bfloat16, torch.float16) and cfg.path == "fused":
         while topk * triton.cdiv(I, block_n) > MAX_ATOMIC_ADDS and block_n < min(MAX_BLOCK_N, triton.next_power_of_2(I)):
             block_n *= 2
         if block_n > cfg.BLOCK_N:
             # Keep the widened weight tiles' shared memory and the accumulator's registers in budget.
             block_k = max(16, min(block_k, MAX_WEIGHT_TILE // (2 * block_n)))
-            block_h = max(16, min(block_h, MAX_WEIGHT_TILE // block_n))
+            block_h = max(16, min(block_h, MAX_DOWN_TILE // block_n))
+            budget = PIPELINE_ELEMENTS[backend]
+            while num_stages > MIN_WIDENED_STAGES[backend] and num_stages * 2 * block_n * block_k > budget:
+                num_stages -= 1
+            while block_k > 16 and num_stages * 2 * block_n * block_k > budget:
+                block_k //= 2
+            while block_h > 16 and num_stages * block_h * block_n > budget:
+                block_h //= 2
             while block_m > 16 and block_m * 2 * block_n > MAX_FUSED_ACC:
                 block_m //= 2
-            num_warps = max(num_warps, min(8, block_m * 2 * block_n // (32 * MAX_ACC_REGS)))
-    return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H), num_warps=num_warps,
+            num_warps = max(num_warps, min(8, max(block_m * 2 * block_n // (32 * MAX_ACC_REGS),
+                                                  2 * block_n * block_k // WEIGHT_TILE_PER_WARP)))
+    return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
+                   num_warps=num_warps, num_stages=num_stages,
                    S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=cap(cfg.S2_BLOCK_K, I))
 
 
@@ -185,25 +217,27 @@ def get_config(
     arch: Optional[str] = None,
     path: str = "auto",
     config_dir: str = CONFIG_DIR,
+    tuned: bool = True,
 ) -> FusedMoEConfig:
     """Picks the fused-kernel config for one problem (see the module docstring).
 
     ``backend`` ("cuda"/"hip") and ``arch`` (e.g. "gfx950") default to the current device;
     ``fmoe2.codegen`` passes them to pick configs for a GPU that is not there. ``path`` ("fused"
-    or "two_stage") forces a path; the picked tiling is then refitted to it.
+    or "two_stage") forces a path; the picked tiling is then refitted to it. ``tuned=False``
+    skips tuned files: the shipped defaults, as on a GPU without a tuned file for the shape.
     """
     # Tuned files belong to the GPU that is here: not used when configs for another backend/arch are asked.
     foreign = (backend is not None and backend != current_backend()) or arch is not None
     backend = backend or current_backend()
-    tuned = None if foreign else _load_json(
+    tuned_file = None if foreign or not tuned else _load_json(
         os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
-    if tuned:
-        nearest = min(tuned, key=lambda m: (abs(int(m) - M), int(m)))
-        return fit_config(FusedMoEConfig.from_dict(tuned[nearest]), H, I, topk, dtype, path)
+    if tuned_file:
+        nearest = min(tuned_file, key=lambda m: (abs(int(m) - M), int(m)))
+        return fit_config(FusedMoEConfig.from_dict(tuned_file[nearest]), H, I, topk, dtype, path, backend)
 
     defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
         os.path.join(CONFIG_DIR, "defaults.json"))
     rules = defaults.get(arch or _arch_key(device) or "", None) or defaults[backend]
     tokens_per_expert = M * topk / E
     rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])
-    return fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype, path)
+    return fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype, path, backend)

@@ -22,10 +22,17 @@ Contract (worked example, M=4 tokens, topk=2, E=4 experts, block_m=4)::
 
 Design: program ``e < E`` owns expert ``e``. It builds the full expert histogram (to know where
 its region starts: the padded counts of experts ``< e``), then scans the routing again and
-scatters its own entries with a running prefix sum. A few extra programs, launched first, zero
-the output buffer.
+scatters its own entries with a running prefix sum. Up to ``MAX_ZERO_PROGRAMS`` extra programs,
+placed after the expert programs, zero the output buffer.
 Every program reads ``M*topk`` ids twice, which is far under the cost of the GEMM that follows
 and avoids a grid-wide barrier (Triton has none), keeping the sort to a single launch.
+
+Measured on an H200 (Qwen3-30B-A3B routing, E=128, topk=8, M=4096, zeroing a 16 MB output):
+256 zeroing programs launched before the expert programs took the sort from 34 us (no zeroing)
+to 59 us; 64 programs launched after them, with both scans stepping by a block index (which
+lets the compiler vectorise the id loads), take 37 us. Splitting an expert's scatter over
+several programs or prefetching the next block of ids did not help: the histogram pass is
+bound by the shared-memory atomics of ``tl.histogram``, and more programs run more of them.
 """
 from __future__ import annotations
 
@@ -48,7 +55,7 @@ from .._validation import (
 
 # Output zeroing: elements per store and the most programs that zero (each loops).
 ZERO_BLOCK = 8192
-MAX_ZERO_PROGRAMS = 256
+MAX_ZERO_PROGRAMS = 64
 MAX_SCAN_BLOCK = 4096
 SORT_NUM_WARPS = 8
 
@@ -148,28 +155,27 @@ def _moe_sorting_kernel(
     ZERO_OUT: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
 ):
-    """Grid: (num_zero_programs (if ZERO_OUT) + NUM_EXPERTS,). The first programs zero ``out``
-    (dispatched first, they finish while the sort runs); program ``num_zero_programs + e`` sorts expert e."""
-    pid = tl.program_id(0)
+    """Grid: (NUM_EXPERTS + num_zero_programs,). Program e < NUM_EXPERTS sorts expert e; the
+    programs after them zero ``out`` (dispatched first, these delayed the sort: see the module docstring)."""
+    expert = tl.program_id(0)
     if ZERO_OUT:
-        if pid < num_zero_programs:
+        if expert >= NUM_EXPERTS:
+            zero_pid = expert - NUM_EXPERTS
             zero_offs = tl.arange(0, ZERO_BLOCK)
             zeros = tl.zeros([ZERO_BLOCK], dtype=out_ptr.dtype.element_ty)
             step = num_zero_programs.to(tl.int64) * ZERO_BLOCK
-            for start in range(pid.to(tl.int64) * ZERO_BLOCK, out_numel, step):
+            for start in range(zero_pid.to(tl.int64) * ZERO_BLOCK, out_numel, step):
                 offs = start + zero_offs
                 tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
             return
-        expert = pid - num_zero_programs
-    else:
-        expert = pid
     bins = tl.arange(0, NUM_BINS)
     scan = tl.arange(0, SCAN_BLOCK)
 
     # Pass 1: histogram of all experts -> where this expert's region starts.
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for start in range(0, num_entries, SCAN_BLOCK):
-        offs = start + scan
+    num_steps = tl.cdiv(num_entries, SCAN_BLOCK)
+    for step in range(0, num_steps):
+        offs = step * SCAN_BLOCK + scan
         ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
                                          num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
         counts += tl.histogram(ids, NUM_BINS, mask=keep)
@@ -179,11 +185,27 @@ def _moe_sorting_kernel(
     my_padded = tl.sum(tl.where(bins == expert, padded, 0), axis=0)
     total_padded = tl.sum(padded, axis=0)
 
+    # Program 0 writes the counters and fills the unused tail of the worst-case buffers (before its
+    # scatter, so that the total is not kept live across it: sm_90 spilled it at 32 registers).
+    if expert == 0:
+        tl.store(num_tokens_post_padded_ptr, total_padded)
+        tl.store(num_sorted_tiles_ptr, total_padded // BLOCK_M)
+        for start in range(total_padded, max_num_padded, SCAN_BLOCK):
+            offs = start + scan
+            tail = offs < max_num_padded
+            tl.store(sorted_token_ids_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
+            tl.store(sorted_weights_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.float32), mask=tail)
+        max_tiles = max_num_padded // BLOCK_M
+        for t in range(total_padded // BLOCK_M, max_tiles, SCAN_BLOCK):
+            tiles = t + scan
+            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([SCAN_BLOCK], dtype=tl.int32) - 1,
+                     mask=tiles < max_tiles)
+
     # Pass 2: scatter this expert's entries in (token, slot) order.
     if my_count > 0:
         rank_base = region_start
-        for start in range(0, num_entries, SCAN_BLOCK):
-            offs = start + scan
+        for step in range(0, num_steps):
+            offs = step * SCAN_BLOCK + scan
             ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs,
                                              offs < num_entries, num_global_experts, num_loras, NUM_EXPERTS,
                                              HAS_EXPERT_MAP, TOPK, LORA_KEYS)
@@ -208,21 +230,6 @@ def _moe_sorting_kernel(
             tiles = t + scan
             tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + expert,
                      mask=tiles < last_tile)
-
-    # Program 0 writes the counters and fills the unused tail of the worst-case buffers.
-    if expert == 0:
-        tl.store(num_tokens_post_padded_ptr, total_padded)
-        tl.store(num_sorted_tiles_ptr, total_padded // BLOCK_M)
-        for start in range(total_padded, max_num_padded, SCAN_BLOCK):
-            offs = start + scan
-            tail = offs < max_num_padded
-            tl.store(sorted_token_ids_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
-            tl.store(sorted_weights_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.float32), mask=tail)
-        max_tiles = max_num_padded // BLOCK_M
-        for t in range(total_padded // BLOCK_M, max_tiles, SCAN_BLOCK):
-            tiles = t + scan
-            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([SCAN_BLOCK], dtype=tl.int32) - 1,
-                     mask=tiles < max_tiles)
 
 
 def _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map):

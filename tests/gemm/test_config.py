@@ -35,6 +35,10 @@ def test_tuned_file_nearest_batch(tmp_path):
     pick = lambda M: get_config(M, 8, 4096, 14336, 2, torch.bfloat16, device=torch.device("cpu"),
                                 config_dir=str(tmp_path)).BLOCK_M
     assert [pick(1), pick(60), pick(100), pick(3000), pick(65536)] == [16, 16, 32, 64, 64]
+    shipped = get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, device=torch.device("cpu"),
+                         config_dir=str(tmp_path), tuned=False)  # what a GPU without the file gets
+    assert shipped == get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, device=torch.device("cpu"))
+    assert shipped.BLOCK_M == 128
 
 
 def test_invalid_configs_are_refused():

@@ -1,4 +1,6 @@
 """moe_sorting: exact contract, invariants against the reference, zeroing, expert_map, bad input."""
+import importlib
+
 import pytest
 import torch
 
@@ -112,12 +114,19 @@ def test_out_overlapping_routing_is_refused():
         moe_sorting(ids, w, 4, 16, out=w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_zeroes_out_in_the_same_launch(dtype):
+@pytest.mark.parametrize("dtype,max_zero_programs", [(torch.float16, 64), (torch.float32, 64), (torch.float16, 3)])
+def test_zeroes_out_in_the_same_launch(dtype, max_zero_programs, monkeypatch):
+    # 3 zeroing programs for 19 blocks: each loops over several
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_ZERO_PROGRAMS", max_zero_programs)
     out = torch.full((37, 4133), float("nan"), dtype=dtype, device=DEVICE)  # > one zeroing block, odd size
     ids = torch.randint(0, 4, (37, 2), dtype=torch.int32, device=DEVICE)
-    moe_sorting(ids, torch.rand(37, 2, device=DEVICE), 4, 16, out=out)
+    weights = torch.rand(37, 2, device=DEVICE)
+    res = moe_sorting(ids, weights, 4, 16, out=out)
     assert (out == 0).all()
+    expected = check_sorting(ids, weights, 4, 16)  # the zeroing programs leave the sort unchanged
+    assert torch.equal(res.sorted_token_ids, expected.sorted_token_ids)
+    assert torch.equal(res.sorted_weights, expected.sorted_weights)
+    assert torch.equal(res.sorted_expert_ids, expected.sorted_expert_ids)
 
 
 @pytest.mark.parametrize("call,exc,match", [
