@@ -152,7 +152,8 @@ def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
 
     Measured with ``python -m fmoe2.codegen --target sm_90 --lora-rank 16`` on the tuned H200
     configs: BLOCK_M=32 spilled (up to 5679 spill instructions, 90x slower); 4 warps with
-    BLOCK_N >= 128 spilled; 4 stages needed up to 237 KB of shared memory. BLOCK_K is kept, except
+    BLOCK_N >= 128 spilled; 4 stages needed 233-307 KB of shared memory with 32768-element weight
+    tiles (they keep 4 only with smaller tiles). BLOCK_K is kept, except
     for 64-row tiles (below): the tiles without adapters run the plain loops, and on the H200
     halving BLOCK_K (fewer bytes in flight) made them 1.2-1.5x slower than the plain kernel.
     """
@@ -163,7 +164,11 @@ def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
     # needed 270 KB of shared memory (Mixtral M=1024); 16384-element weight tiles fit (229 KB).
     while block_m >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:
         block_k //= 2
-    return replace(cfg, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps, num_stages=min(cfg.num_stages, 3))
+    # 4 stages fit only with small weight tiles (Qwen3 M=1, BLOCK_N=64 x BLOCK_K=128: 135 KB at rank 16,
+    # 209 KB at rank 64); BLOCK_N=128 x BLOCK_K=128 needed 233-307 KB.
+    max_stages = 4 if block_m == 16 and 2 * cfg.BLOCK_N * block_k <= 16384 else 3
+    return replace(cfg, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
+                   num_stages=min(cfg.num_stages, max_stages))
 
 
 def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",
