@@ -149,6 +149,7 @@ def _moe_sorting_kernel(
     NUM_BINS: tl.constexpr,  # next power of two >= NUM_EXPERTS
     BLOCK_M: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,  # routing entries per step
+    FILL_BLOCK: tl.constexpr,  # tail entries per store (the tail is up to E*(BLOCK_M-1) long even for one token)
     HAS_EXPERT_MAP: tl.constexpr,
     EXPANDED_IDS: tl.constexpr,  # store token*TOPK+slot (vLLM's convention, for the baseline) instead of token
     LORA_KEYS: tl.constexpr,  # sort by (adapter, expert): the baseline's LoRA alignment
@@ -190,15 +191,16 @@ def _moe_sorting_kernel(
     if expert == 0:
         tl.store(num_tokens_post_padded_ptr, total_padded)
         tl.store(num_sorted_tiles_ptr, total_padded // BLOCK_M)
-        for start in range(total_padded, max_num_padded, SCAN_BLOCK):
-            offs = start + scan
+        fill = tl.arange(0, FILL_BLOCK)
+        for start in range(total_padded, max_num_padded, FILL_BLOCK):
+            offs = start + fill
             tail = offs < max_num_padded
-            tl.store(sorted_token_ids_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
-            tl.store(sorted_weights_ptr + offs, tl.zeros([SCAN_BLOCK], dtype=tl.float32), mask=tail)
+            tl.store(sorted_token_ids_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
+            tl.store(sorted_weights_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.float32), mask=tail)
         max_tiles = max_num_padded // BLOCK_M
-        for t in range(total_padded // BLOCK_M, max_tiles, SCAN_BLOCK):
-            tiles = t + scan
-            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([SCAN_BLOCK], dtype=tl.int32) - 1,
+        for t in range(total_padded // BLOCK_M, max_tiles, FILL_BLOCK):
+            tiles = t + fill
+            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([FILL_BLOCK], dtype=tl.int32) - 1,
                      mask=tiles < max_tiles)
 
     # Pass 2: scatter this expert's entries in (token, slot) order.
@@ -324,6 +326,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         NUM_BINS=triton.next_power_of_2(num_keys),
         BLOCK_M=result.block_m,
         SCAN_BLOCK=min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK),
+        FILL_BLOCK=min(max(triton.next_power_of_2(result.sorted_token_ids.numel()), 16), MAX_SCAN_BLOCK),
         HAS_EXPERT_MAP=expert_map is not None,
         EXPANDED_IDS=expanded_ids,
         LORA_KEYS=token_lora_ids is not None,
