@@ -109,6 +109,13 @@ def _to_slots(own, row_slot, stack_slot, BLOCK_M: tl.constexpr, LORA_SLOTS: tl.c
 
 
 @triton.jit
+def _shrink_step(a, la_rows, la_used, k, k_valid, shrink):
+    """One K step of the stacked LoRA shrink: shrink += a @ A[la_rows, k]^T (``a``: the x tile already loaded)."""
+    la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
+    return tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
+
+
+@triton.jit
 def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H, la_rows, la_used,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
              WITH_LORA: tl.constexpr, STACK: tl.constexpr):
@@ -129,8 +136,7 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
             b = tl.load(w_rows + k[None, :], mask=r_valid[:, None] & k_valid[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             if WITH_LORA:
-                la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
-                shrink = tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
+                shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
@@ -147,8 +153,7 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
             gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
             up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
             if WITH_LORA:
-                la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
-                shrink = tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
+                shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
     return gate, up, shrink
 
 
@@ -297,8 +302,7 @@ def _fused_moe_kernel(
                     k = k0 + offs_k
                     k_valid = k < H
                     a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-                    la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
-                    group_shrink = tl.dot(a, tl.trans(la), group_shrink, input_precision="ieee")
+                    group_shrink = _shrink_step(a, la_rows, la_used, k, k_valid, group_shrink)
                 shrink += _own_slot(group_shrink, row_slot, gu_slot, BLOCK_M, LORA_SLOTS, 2 * LORA_RANK)
         shrink = (shrink * row_scale[:, None]).to(x_ptr.dtype.element_ty)
         # Expand, once per adapter present: columns [0, R) of the shrink are gate, [R, 2R) up.
