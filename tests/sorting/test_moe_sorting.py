@@ -89,6 +89,15 @@ def test_large_expert_count():
     check_sorting(ids.to(DEVICE), torch.rand(M, topk).to(DEVICE), E, 16)
 
 
+
+def test_many_scan_steps_and_tail_blocks(monkeypatch):
+    # 16-entry blocks: both scans take many steps and the tail fill loops over many blocks.
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_SCAN_BLOCK", 16)
+    M, topk, E = 45, 3, 12
+    ids = torch.randint(0, E, (M, topk), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    check_sorting(ids.to(DEVICE), torch.rand(M, topk).to(DEVICE), E, 16)
+
+
 def test_expert_map_drops_other_ranks():
     M, topk, E_global = 50, 4, 12
     gen = torch.Generator().manual_seed(1)
