@@ -161,8 +161,8 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
     R_pad, h_pad, i_pad = padded_rank(rank), _round_up(H, 64), _round_up(inter, 64)
     meta = dict(dtype=dtype, device="meta")
     return PreparedMoELoRA(
-        a13=torch.empty(num_loras, E, 2 * R_pad, h_pad, **meta), b13=torch.empty(num_loras, E, 2 * inter, R_pad, **meta),
-        a2=torch.empty(num_loras, E, R_pad, i_pad, **meta), b2=torch.empty(num_loras, E, H, R_pad, **meta),
+        a13=torch.empty(num_loras, E, 2 * R_pad, h_pad, **meta), b13=torch.empty(num_loras, E, 2 * R_pad, i_pad, **meta),
+        a2=torch.empty(num_loras, E, R_pad, i_pad, **meta), b2=torch.empty(num_loras, E, R_pad, h_pad, **meta),
         scaling=torch.empty(num_loras, dtype=torch.float32, device="meta"), rank=rank, hidden_size=H,
         intermediate_size=inter)
 

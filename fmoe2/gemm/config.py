@@ -62,6 +62,9 @@ class FusedMoEConfig:
     GROUP_M: int = 1  # tiles whose slices are launched together (1: slice fastest)
     num_warps: int = 4
     num_stages: int = 3
+    # Pipeline depth of the loops that carry adapter work (fused multi-LoRA); None: num_stages.
+    # Tiles without adapters keep num_stages: their loops are other loops of the same kernel.
+    lora_num_stages: Optional[int] = None
     # ROCm only (ignored on CUDA, never passed to a CUDA launch):
     waves_per_eu: Optional[int] = None
     matrix_instr_nonkdim: Optional[int] = None
@@ -90,6 +93,8 @@ class FusedMoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"config {name} must be an int >= 1, got {v!r}")
+        if self.lora_num_stages is not None and (not isinstance(self.lora_num_stages, int) or self.lora_num_stages < 1):
+            raise ValueError(f"config lora_num_stages must be None or an int >= 1, got {self.lora_num_stages!r}")
 
     def launch_options(self, backend: str, stage2: bool = False) -> Dict[str, int]:
         """Keyword options for the Triton launch on ``backend`` ("cuda" or "hip")."""
@@ -148,27 +153,27 @@ def _arch_key(device) -> Optional[str]:
 
 
 def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
-    """Keeps a fused config free of (large) spills with the LoRA steps compiled in.
+    """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
-    Measured with ``python -m fmoe2.codegen --target sm_90 --lora-rank 16`` on the tuned H200
-    configs: BLOCK_M=32 spilled (up to 5679 spill instructions, 90x slower); 4 warps with
-    BLOCK_N >= 128 spilled; 4 stages needed 233-307 KB of shared memory with 32768-element weight
-    tiles (they keep 4 only with smaller tiles). BLOCK_K is kept, except
-    for 64-row tiles (below): the tiles without adapters run the plain loops, and on the H200
-    halving BLOCK_K (fewer bytes in flight) made them 1.2-1.5x slower than the plain kernel.
+    Tiles without adapters run the plain loops with the config's num_stages; only the loops that
+    carry adapter work get ``lora_num_stages``. Measured with ``python -m fmoe2.codegen --target
+    sm_90 --lora-rank 16`` and on the H200 (rank 16, 4 adapters):
+
+    * 4 warps with BLOCK_N >= 128 spilled: 8 warps;
+    * the LoRA K loop keeps 4 stages only with small weight tiles (Qwen3 M=1, BLOCK_N=64 x
+      BLOCK_K=128: 135 KB; 4 stages ran 1.07x faster than 3 there); BLOCK_N=128 x BLOCK_K=128
+      needed 233-307 KB;
+    * with 64-row tiles BLOCK_N=256 x BLOCK_K=64 needed 264 KB at 3 stages: BLOCK_K is halved
+      (Mixtral M=1024: mixed adapters 1.71x of the plain forward; keeping BLOCK_K=64 with 2 LoRA
+      stages: 1.98x, though tiles without adapters then ran 1.15x instead of 1.34x).
     """
-    block_m = 16 if cfg.BLOCK_M == 32 else cfg.BLOCK_M
     num_warps = 8 if cfg.num_warps < 8 and cfg.BLOCK_N >= 128 else cfg.num_warps
     block_k = cfg.BLOCK_K
-    # With 64-row tiles the x tile and the stacked adapters' A grow too: BLOCK_K=64 at BLOCK_N=256
-    # needed 270 KB of shared memory (Mixtral M=1024); 16384-element weight tiles fit (229 KB).
-    while block_m >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:
+    while cfg.BLOCK_M >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:
         block_k //= 2
-    # 4 stages fit only with small weight tiles (Qwen3 M=1, BLOCK_N=64 x BLOCK_K=128: 135 KB at rank 16,
-    # 209 KB at rank 64); BLOCK_N=128 x BLOCK_K=128 needed 233-307 KB.
-    max_stages = 4 if block_m == 16 and 2 * cfg.BLOCK_N * block_k <= 16384 else 3
-    return replace(cfg, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps,
-                   num_stages=min(cfg.num_stages, max_stages))
+    max_stages = 4 if cfg.BLOCK_M == 16 and 2 * cfg.BLOCK_N * block_k <= 16384 else 3
+    return replace(cfg, BLOCK_K=block_k, num_warps=num_warps,
+                   lora_num_stages=min(cfg.lora_num_stages or cfg.num_stages, max_stages))
 
 
 def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",

@@ -22,13 +22,16 @@ tile's rows use (token_lora_ids, -1 = none) are numbered densely into slots; LOR
 (one group) are stacked into one operand of rank ``LORA_SLOTS * R``, so a tile that mixes up to
 LORA_SLOTS adapters costs one product per step, not one per adapter:
 
-* gate/up shrink: ``x @ A13[stack]^T`` rides the base K loop and reuses the x tile already
-  loaded; each row then keeps the columns of its own slot (``_own_slot``);
-* gate/up expand: one product per adapter present, ``(rows of l) @ B13[l, slice]^T``, added into
-  the accumulators before the activation (after the loop, once per program);
-* down: per slice ``t = y_slice @ A2[l, :, slice]^T`` (the down GEMM is linear in y, so slice
-  partials sum to the full shrink), spread into the stacked layout (``_to_slots``); inside the
-  down loop ``t @ B2[stack, h chunk]^T`` joins the base partial (no extra atomics).
+* gate/up shrink: ``x @ A13[stack]^T`` (the gate rows of every slot, then their up rows) rides
+  the base K loop and reuses the x tile already loaded; each row then keeps the columns of its
+  own slot (``_own_rows``);
+* gate/up expand: ``shrink_gate @ B13t[stack, gate rows, slice]`` (and up), added into the
+  accumulators before the activation (after the loop, once per program);
+* down: per slice ``t = y_slice @ A2[stack, :, slice]^T`` (the down GEMM is linear in y, so
+  slice partials sum to the full shrink), each row's own slot kept; inside the down loop
+  ``t @ B2t[stack, :, h chunk]`` joins the base partial (no extra atomics).
+
+Every adapter operand is loaded with H or I contiguous (see ``fmoe2/gemm/lora.py``).
 
 Only tiles whose rows use more than LORA_SLOTS adapters (possible when LORA_SLOTS < LORA_IDS)
 take further passes over H per group, with atomic adds into their rows. Tiles without adapters
@@ -71,41 +74,58 @@ def _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras, LORA_IDS: tl.co
 
 
 @triton.jit
-def _slot_adapter(present, slot_of, slot, LORA_IDS: tl.constexpr):
-    """The adapter id in ``slot`` (int64 scalar)."""
-    ids = tl.arange(0, LORA_IDS)
-    return tl.sum(tl.where((present > 0) & (slot_of == slot), ids, 0), axis=0).to(tl.int64)
-
-
-@triton.jit
 def _stack(base, stride_l, stride_row, present, slot_of, first_slot, LORA_IDS: tl.constexpr,
-           LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+           LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr):
     """Rows of a stacked adapter operand: slots [first_slot, first_slot + LORA_SLOTS), WIDTH rows each.
 
-    Returns per stacked row [LORA_SLOTS * WIDTH]: its pointer ``base + adapter * stride_l + row *
-    stride_row``, its slot, and whether the slot is in use (rows of unused slots are never loaded).
+    With PARTS=2 (gate and up) the stack is [part 0 of every slot, part 1 of every slot], part p
+    of a slot being its rows [p*WIDTH, (p+1)*WIDTH). Returns per stacked row
+    [PARTS * LORA_SLOTS * WIDTH]: its pointer ``base + adapter * stride_l + row * stride_row``, its
+    slot, and whether the slot is in use (rows of unused slots are never loaded).
     """
-    offs = tl.arange(0, LORA_SLOTS * WIDTH)
-    slot = first_slot + offs // WIDTH
+    offs = tl.arange(0, PARTS * LORA_SLOTS * WIDTH)
+    in_part = offs % (LORA_SLOTS * WIDTH)
+    slot = first_slot + in_part // WIDTH
+    row = (offs // (LORA_SLOTS * WIDTH)) * WIDTH + offs % WIDTH
     ids = tl.arange(0, LORA_IDS)
     hit = (present[None, :] > 0) & (slot_of[None, :] == slot[:, None])
     adapter = tl.sum(tl.where(hit, ids[None, :], 0), axis=1).to(tl.int64)
     used = tl.max(hit.to(tl.int32), axis=1) > 0
-    return base + adapter * stride_l + (offs % WIDTH) * stride_row, slot, used
+    return base + adapter * stride_l + row * stride_row, slot, used
 
 
 @triton.jit
-def _own_slot(stacked, row_slot, stack_slot, BLOCK_M: tl.constexpr, LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
-    """[BLOCK_M, LORA_SLOTS*WIDTH] -> [BLOCK_M, WIDTH]: each row keeps its own slot's columns (0 if none)."""
+def _own_rows(stacked, row_slot, stack_slot, row_scale, dtype):
+    """A stacked product [BLOCK_M, STACK] -> each row keeps its own slot's columns, scaled, in ``dtype``.
+
+    Column c of a stacked product is row @ (adapter of slot stack_slot[c]); only the row's own
+    adapter's columns are its LoRA terms, the rest are zeroed.
+    """
     mine = tl.where(row_slot[:, None] == stack_slot[None, :], stacked, tl.zeros_like(stacked))
-    return tl.sum(tl.reshape(mine, [BLOCK_M, LORA_SLOTS, WIDTH]), axis=1)
+    return (mine * row_scale[:, None]).to(dtype)
 
 
 @triton.jit
-def _to_slots(own, row_slot, stack_slot, BLOCK_M: tl.constexpr, LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
-    """Inverse of ``_own_slot``: [BLOCK_M, WIDTH] -> [BLOCK_M, LORA_SLOTS*WIDTH], zeros outside the row's slot."""
-    spread = tl.reshape(tl.broadcast_to(own[:, None, :], [BLOCK_M, LORA_SLOTS, WIDTH]), [BLOCK_M, LORA_SLOTS * WIDTH])
-    return tl.where(row_slot[:, None] == stack_slot[None, :], spread, tl.zeros_like(spread))
+def _expand_gate_up(gate, up, shrink_gate, shrink_up, b13_rows, b13_up, b13_used, offs_n, n_valid):
+    """gate += shrink_gate @ B13t[stack, slice], up += shrink_up @ B13t[stack + R, slice].
+
+    ``shrink_*`` [BLOCK_M, STACK] hold each row's own (scaled) shrinks; ``b13_rows`` [STACK] point at
+    the gate rows of B13t, ``b13_up`` is the offset from a gate row to its up row.
+    """
+    mask = b13_used[:, None] & n_valid[None, :]
+    lbg = tl.load(b13_rows[:, None] + offs_n[None, :], mask=mask, other=0.0)
+    gate = tl.dot(shrink_gate, lbg, gate, input_precision="ieee")
+    lbu = tl.load(b13_rows[:, None] + b13_up + offs_n[None, :], mask=mask, other=0.0)
+    up = tl.dot(shrink_up, lbu, up, input_precision="ieee")
+    return gate, up
+
+
+@triton.jit
+def _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, stack_slot, row_scale):
+    """Stacked down shrink of one slice, y @ A2[stack, slice]^T [BLOCK_M, STACK], each row's own slot kept."""
+    la2 = tl.load(la2_rows[:, None] + offs_n[None, :], mask=la2_used[:, None] & n_valid[None, :], other=0.0)
+    stacked = tl.dot(y, tl.trans(la2), input_precision="ieee")
+    return _own_rows(stacked, row_slot, stack_slot, row_scale, y.dtype)
 
 
 @triton.jit
@@ -116,10 +136,18 @@ def _shrink_step(a, la_rows, la_used, k, k_valid, shrink):
 
 
 @triton.jit
+def _split_gate_up(shrink, BLOCK_M: tl.constexpr, STACK: tl.constexpr):
+    """[BLOCK_M, 2*STACK] (gate stack, then up stack) -> the two [BLOCK_M, STACK] halves."""
+    return tl.split(tl.permute(tl.reshape(shrink, [BLOCK_M, 2, STACK]), (0, 2, 1)))
+
+
+@triton.jit
 def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H, la_rows, la_used,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
-             WITH_LORA: tl.constexpr, STACK: tl.constexpr):
+             WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice.
+
+    STAGES: pipeline depth of the K loop (None: the launch's num_stages).
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded).
@@ -129,7 +157,7 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
     if GATE_UP_INTERLEAVED:
         w_rows = w1_expert + offs_r[:, None] * stride_w1_n
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
@@ -143,7 +171,7 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
         up_rows = gate_rows + I * stride_w1_n
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H
             w_mask = n_valid[:, None] & k_valid[None, :]
@@ -158,16 +186,17 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
 
 
 @triton.jit
-def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, offs_n, n_valid, H, ds_stacked, lb2_cols, lb2_used,
-          stride_lb2_h, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr,
-          WITH_LORA: tl.constexpr):
-    """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2[lb2_cols]^T), over H in BLOCK_H chunks, atomically.
+def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, offs_n, n_valid, H, ds_stacked, lb2_rows, lb2_used,
+          BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr,
+          STAGES: tl.constexpr):
+    """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2t[lb2_rows]), over H in BLOCK_H chunks, atomically.
 
-    ``lb2_cols``: [STACK] pointers to the stacked B2 columns at h = 0; WITH_BASE=False adds only
-    the LoRA term (further slot groups).
+    ``lb2_rows``: [STACK] pointers to the stacked rows of B2t ([R, H], H contiguous) at h = 0;
+    WITH_BASE=False adds only the LoRA term (further slot groups); STAGES: pipeline depth (None:
+    the launch's num_stages).
     """
     offs_h0 = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         offs_h = h0 + offs_h0
         h_valid = offs_h < H
         if WITH_BASE:
@@ -177,9 +206,8 @@ def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, offs_n, n_valid, H, ds_
         else:
             partial = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         if WITH_LORA:
-            lb2 = tl.load(lb2_cols[None, :] + offs_h[:, None] * stride_lb2_h, mask=h_valid[:, None] & lb2_used[None, :],
-                          other=0.0)
-            partial = tl.dot(ds_stacked, tl.trans(lb2), partial, input_precision="ieee")
+            lb2 = tl.load(lb2_rows[:, None] + offs_h[None, :], mask=lb2_used[:, None] & h_valid[None, :], other=0.0)
+            partial = tl.dot(ds_stacked, lb2, partial, input_precision="ieee")
         tl.atomic_add(out_rows + offs_h[None, :], partial.to(out_rows.dtype.element_ty),
                       mask=row_mask[:, None] & h_valid[None, :], sem="relaxed")
 
@@ -193,9 +221,9 @@ def _fused_moe_kernel(
     y_ptr,  # [num_grid_tiles * BLOCK_M, I] (STORE_Y only): activated, weighted intermediate in sorted order
     token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none (HAS_LORA only, like every lora_* below)
     lora_a13_ptr,  # [L, E, 2*LORA_RANK, H_pad]: gate A rows then up A rows
-    lora_b13_ptr,  # [L, E, 2*I, LORA_RANK]: gate rows then up rows
+    lora_b13_ptr,  # [L, E, 2*LORA_RANK, I_pad]: gate B^T rows then up B^T rows
     lora_a2_ptr,  # [L, E, LORA_RANK, I_pad]
-    lora_b2_ptr,  # [L, E, H, LORA_RANK]
+    lora_b2_ptr,  # [L, E, LORA_RANK, H_pad]: down B^T
     lora_scaling_ptr,  # [L] float32
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
@@ -219,13 +247,13 @@ def _fused_moe_kernel(
     stride_la13_r,
     stride_lb13_l,
     stride_lb13_e,
-    stride_lb13_n,
+    stride_lb13_r,
     stride_la2_l,
     stride_la2_e,
     stride_la2_r,
     stride_lb2_l,
     stride_lb2_e,
-    stride_lb2_h,
+    stride_lb2_r,
     # meta-parameters
     ACTIVATION: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr,
@@ -239,6 +267,7 @@ def _fused_moe_kernel(
     LORA_RANK: tl.constexpr,  # padded rank (power of two >= 16)
     LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
+    LORA_STAGES: tl.constexpr,  # pipeline depth of the loops that carry adapter work (tiles without: num_stages)
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` exit at once.
 
@@ -271,7 +300,7 @@ def _fused_moe_kernel(
     w1_expert = w1_ptr + expert * stride_w1_e
     w2_expert = w2_ptr + expert * stride_w2_e
     out_rows = out_ptr + token[:, None] * stride_out_m
-    GU_STACK: tl.constexpr = LORA_SLOTS * 2 * LORA_RANK  # stacked gate+up shrink width
+    STACK: tl.constexpr = LORA_SLOTS * LORA_RANK  # stacked shrink width
     if HAS_LORA:
         row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
                                                                          num_loras, LORA_IDS)
@@ -280,42 +309,39 @@ def _fused_moe_kernel(
         num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
     if num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
-                               offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16)
+                               offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
     else:
-        offs_c = tl.arange(0, 2 * LORA_RANK)
+        dtype = x_ptr.dtype.element_ty
         a13_expert = lora_a13_ptr + expert * stride_la13_e
-        # Gate/up shrink of the first slot group inside the base K loop.
+        b13_expert = lora_b13_ptr + expert * stride_lb13_e
+        lb_up = LORA_RANK * stride_lb13_r  # B13t rows: gate rows [0, R), up rows [R, 2R) (A13 likewise)
+        # Gate/up shrinks of the first slot group inside the base K loop, their expand after it.
         la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of, 0, LORA_IDS,
-                                           LORA_SLOTS, 2 * LORA_RANK)
+                                           LORA_SLOTS, LORA_RANK, 2)
         gate, up, shrink = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
-                                    la_rows, la_used,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, True, GU_STACK)
-        shrink = _own_slot(shrink, row_slot, gu_slot, BLOCK_M, LORA_SLOTS, 2 * LORA_RANK)
+                                    la_rows, la_used, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, True, 2 * STACK,
+                                    LORA_STAGES)
+        shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
+        lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0, LORA_IDS,
+                                           LORA_SLOTS, LORA_RANK, 1)
+        gate, up = _expand_gate_up(gate, up, shrink_gate, shrink_up, lb_rows, lb_up, lb_used, offs_n, n_valid)
         if LORA_SLOTS < LORA_IDS:
             # Tiles using more than LORA_SLOTS adapters: one more pass over H per further group.
             offs_k = tl.arange(0, BLOCK_K)
             for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
                 la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of,
-                                                   first_slot, LORA_IDS, LORA_SLOTS, 2 * LORA_RANK)
-                group_shrink = tl.zeros([BLOCK_M, GU_STACK], dtype=tl.float32)
-                for k0 in range(0, H, BLOCK_K):
+                                                   first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 2)
+                shrink = tl.zeros([BLOCK_M, 2 * STACK], dtype=tl.float32)
+                for k0 in tl.range(0, H, BLOCK_K, num_stages=LORA_STAGES):
                     k = k0 + offs_k
                     k_valid = k < H
                     a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-                    group_shrink = _shrink_step(a, la_rows, la_used, k, k_valid, group_shrink)
-                shrink += _own_slot(group_shrink, row_slot, gu_slot, BLOCK_M, LORA_SLOTS, 2 * LORA_RANK)
-        shrink = (shrink * row_scale[:, None]).to(x_ptr.dtype.element_ty)
-        # Expand, once per adapter present: columns [0, R) of the shrink are gate, [R, 2R) up.
-        gate_col = offs_c < LORA_RANK
-        b13_cols = (lora_b13_ptr + expert * stride_lb13_e + offs_n[:, None] * stride_lb13_n
-                    + (offs_c % LORA_RANK)[None, :])
-        for slot in tl.range(0, num_present, num_stages=1):  # not pipelined: it would multiply shared memory
-            b13 = b13_cols + _slot_adapter(present, slot_of, slot, LORA_IDS) * stride_lb13_l
-            lbg = tl.load(b13, mask=n_valid[:, None] & gate_col[None, :], other=0.0)
-            lbu = tl.load(b13 + I * stride_lb13_n, mask=n_valid[:, None] & ~gate_col[None, :], other=0.0)
-            rows_shrink = tl.where((row_slot == slot)[:, None], shrink, tl.zeros_like(shrink))
-            gate = tl.dot(rows_shrink, tl.trans(lbg), gate, input_precision="ieee")
-            up = tl.dot(rows_shrink, tl.trans(lbu), up, input_precision="ieee")
+                    shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
+                shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype),
+                                                        BLOCK_M, STACK)
+                lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of,
+                                                   first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                gate, up = _expand_gate_up(gate, up, shrink_gate, shrink_up, lb_rows, lb_up, lb_used, offs_n, n_valid)
 
     # The down GEMM is linear in y, so the routing weight is applied once here.
     y = _gated_activation(gate, up, ACTIVATION) * route_weight[:, None]
@@ -327,32 +353,28 @@ def _fused_moe_kernel(
 
     # Down GEMM of this slice over all of H, added into the output.
     if num_present == 0:
-        _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H, y, offs_n, n_valid, 0,
-              BLOCK_M, BLOCK_H, True, False)
+        _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H, y, offs_n, n_valid,
+              BLOCK_M, BLOCK_H, True, False, None)
     else:
-        # Down shrink of this slice, t = y_slice @ A2[l, :, slice]^T, once per adapter present.
-        offs_rank = tl.arange(0, LORA_RANK)
-        a2_rows = lora_a2_ptr + expert * stride_la2_e + offs_rank[:, None] * stride_la2_r + offs_n[None, :]
-        down_shrink = tl.zeros([BLOCK_M, LORA_RANK], dtype=tl.float32)
-        for slot in tl.range(0, num_present, num_stages=1):  # not pipelined: it would multiply shared memory
-            la2 = tl.load(a2_rows + _slot_adapter(present, slot_of, slot, LORA_IDS) * stride_la2_l,
-                          mask=n_valid[None, :], other=0.0)
-            down_shrink = tl.dot(tl.where((row_slot == slot)[:, None], y, tl.zeros_like(y)), tl.trans(la2),
-                                 down_shrink, input_precision="ieee")
-        down_shrink = (down_shrink * row_scale[:, None]).to(x_ptr.dtype.element_ty)
-        # Its expand joins the base partial in the down loop, for the first slot group.
+        # Down shrink of this slice for a slot group, t = y_slice @ A2[stack, slice]^T (each row keeps
+        # its own slot's columns); its expand t @ B2t[stack, h chunk] rides the down loop.
+        a2_expert = lora_a2_ptr + expert * stride_la2_e
         b2_expert = lora_b2_ptr + expert * stride_lb2_e
-        lb2_cols, d_slot, lb2_used = _stack(b2_expert, stride_lb2_l, 1, present, slot_of, 0, LORA_IDS, LORA_SLOTS,
-                                            LORA_RANK)
+        la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
+                                            LORA_SLOTS, LORA_RANK, 1)
+        lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of, 0, LORA_IDS,
+                                       LORA_SLOTS, LORA_RANK, 1)
         _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
-              _to_slots(down_shrink, row_slot, d_slot, BLOCK_M, LORA_SLOTS, LORA_RANK),
-              lb2_cols, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H, True, True)
+              _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),
+              lb2_rows, lb2_used, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
         if LORA_SLOTS < LORA_IDS:
             # Further slot groups: their own pass over H, atomics on their rows only.
             for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
-                lb2_cols, d_slot, lb2_used = _stack(b2_expert, stride_lb2_l, 1, present, slot_of, first_slot, LORA_IDS,
-                                                    LORA_SLOTS, LORA_RANK)
+                la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of,
+                                                    first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of,
+                                               first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
                 _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
                       stride_w2_h, offs_n, n_valid, H,
-                      _to_slots(down_shrink, row_slot, d_slot, BLOCK_M, LORA_SLOTS, LORA_RANK),
-                      lb2_cols, lb2_used, stride_lb2_h, BLOCK_M, BLOCK_H, False, True)
+                      _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),
+                      lb2_rows, lb2_used, BLOCK_M, BLOCK_H, False, True, LORA_STAGES)

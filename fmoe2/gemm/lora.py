@@ -18,10 +18,14 @@ padded with zeros to ``R_pad = max(16, next_pow2(R))`` (the smallest matrix-inst
 
     a13 [L, E, 2*R_pad, H_pad]   rows 0..R_pad-1 gate_a, rows R_pad.. up_a: one shrink product
                                   gives both gate and up shrinks
-    b13 [L, E, 2*I, R_pad]       rows 0..I-1 gate_b, rows I.. up_b (whatever the base layout)
-    a2  [L, E, R_pad, I_pad]     b2 [L, E, H, R_pad]
+    b13 [L, E, 2*R_pad, I_pad]   gate_b^T then up_b^T (whatever the base layout)
+    a2  [L, E, R_pad, I_pad]     b2 [L, E, R_pad, H_pad] (down_b^T)
 
-``H_pad``/``I_pad`` round H and I up to ``pad_to`` (default 64) so rows start 16-byte aligned.
+Every operand keeps H or I as its contiguous dimension: the kernel picks adapter rows by a
+run-time id, so only a contiguous H/I axis lets it load them as 16-byte vectors. B in vLLM's
+``[..., rank]`` layout compiled to 2-byte loads: on the H200 the LoRA forward at Qwen3 M=1 took
+40.5 us with it and 29.9 us with this layout (plain forward 25.1 us). ``H_pad``/``I_pad`` round
+H and I up to ``pad_to`` (default 64) so rows start 16-byte aligned.
 """
 from __future__ import annotations
 
@@ -149,9 +153,9 @@ class PreparedMoELoRA:
     """:class:`MoELoRA` in the kernel's layout (module docstring); made by :func:`prepare_lora`."""
 
     a13: torch.Tensor  # [L, E, 2*R_pad, H_pad]
-    b13: torch.Tensor  # [L, E, 2*I, R_pad]
+    b13: torch.Tensor  # [L, E, 2*R_pad, I_pad]
     a2: torch.Tensor  # [L, E, R_pad, I_pad]
-    b2: torch.Tensor  # [L, E, H, R_pad]
+    b2: torch.Tensor  # [L, E, R_pad, H_pad]
     scaling: torch.Tensor  # [L] float32
     rank: int  # logical rank R
     hidden_size: int
@@ -185,8 +189,8 @@ class PreparedMoELoRA:
         R, R_pad, H, inter = self.rank, self.padded_rank, self.hidden_size, self.intermediate_size
         return MoELoRA(
             gate_a=self.a13[:, :, :R, :H], up_a=self.a13[:, :, R_pad:R_pad + R, :H],
-            gate_b=self.b13[:, :, :inter, :R], up_b=self.b13[:, :, inter:, :R],
-            down_a=self.a2[:, :, :R, :inter], down_b=self.b2[:, :, :, :R], scaling=self.scaling.clone())
+            gate_b=self.b13[:, :, :R, :inter].transpose(2, 3), up_b=self.b13[:, :, R_pad:R_pad + R, :inter].transpose(2, 3),
+            down_a=self.a2[:, :, :R, :inter], down_b=self.b2[:, :, :R, :H].transpose(2, 3), scaling=self.scaling.clone())
 
 
 def prepare_lora(lora: MoELoRA, *, pad_to: int = 64) -> PreparedMoELoRA:
@@ -204,12 +208,12 @@ def prepare_lora(lora: MoELoRA, *, pad_to: int = 64) -> PreparedMoELoRA:
     a13 = lora.gate_a.new_zeros(L, E, 2 * R_pad, h_pad)
     a13[:, :, :R, :H] = lora.gate_a
     a13[:, :, R_pad:R_pad + R, :H] = lora.up_a
-    b13 = lora.gate_a.new_zeros(L, E, 2 * inter, R_pad)
-    b13[:, :, :inter, :R] = lora.gate_b
-    b13[:, :, inter:, :R] = lora.up_b
+    b13 = lora.gate_a.new_zeros(L, E, 2 * R_pad, i_pad)
+    b13[:, :, :R, :inter] = lora.gate_b.transpose(2, 3)
+    b13[:, :, R_pad:R_pad + R, :inter] = lora.up_b.transpose(2, 3)
     a2 = lora.gate_a.new_zeros(L, E, R_pad, i_pad)
     a2[:, :, :R, :inter] = lora.down_a
-    b2 = lora.gate_a.new_zeros(L, E, H, R_pad)
-    b2[:, :, :, :R] = lora.down_b
+    b2 = lora.gate_a.new_zeros(L, E, R_pad, h_pad)
+    b2[:, :, :R, :H] = lora.down_b.transpose(2, 3)
     return PreparedMoELoRA(a13=a13, b13=b13, a2=a2, b2=b2, scaling=lora.scaling, rank=R, hidden_size=H,
                            intermediate_size=inter)

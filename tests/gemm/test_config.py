@@ -89,8 +89,10 @@ def test_fit_lora_config_keeps_what_was_measured_to_fit():
 
     small = fit_lora_config(FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_stages=4))
     assert small.num_stages == 4 and small.BLOCK_K == 128 and small.num_warps == 4  # 135 KB on sm_90
+    assert small.lora_num_stages == 4
     large = fit_lora_config(FusedMoEConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_stages=4))
-    assert (large.BLOCK_M, large.num_stages, large.num_warps, large.BLOCK_K) == (16, 3, 8, 128)
+    # Tiles without adapters keep the plain loops' stages; the LoRA loops get 3 (233-307 KB with 4).
+    assert (large.BLOCK_M, large.num_stages, large.lora_num_stages, large.num_warps, large.BLOCK_K) == (32, 4, 3, 8, 128)
     tall = fit_lora_config(FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_stages=3))
     assert tall.BLOCK_K == 32 and tall.BLOCK_M == 64  # BLOCK_K=64 needed 270 KB
     assert fit_lora_config(large) == large
