@@ -163,7 +163,7 @@ def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
     * the LoRA K loop keeps 4 stages only with small weight tiles (Qwen3 M=1, BLOCK_N=64 x
       BLOCK_K=128: 135 KB; 4 stages ran 1.07x faster than 3 there); BLOCK_N=128 x BLOCK_K=128
       needed 233-307 KB;
-    * with 64-row tiles BLOCK_N=256 x BLOCK_K=64 needed 264 KB at 3 stages: BLOCK_K is halved
+    * with 64-row tiles BLOCK_N=256 x BLOCK_K=64 needed 264 KiB at 3 stages: BLOCK_K is halved
       (Mixtral M=1024: mixed adapters 1.71x of the plain forward; keeping BLOCK_K=64 with 2 LoRA
       stages: 1.98x, though tiles without adapters then ran 1.15x instead of 1.34x).
     """

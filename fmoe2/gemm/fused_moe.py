@@ -149,7 +149,9 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
         GROUP_M=config.GROUP_M, STORE_Y=y is not None,
-        HAS_LORA=problem.lora is not None, LORA_STAGES=config.lora_num_stages or config.num_stages,
+        HAS_LORA=problem.lora is not None,
+        # Unused without adapters: a constant there, so a LoRA-fitted config adds no plain compile.
+        LORA_STAGES=(config.lora_num_stages or config.num_stages) if problem.lora is not None else 1,
         **lora_constexprs(problem.lora, problem.x.shape[0] * problem.topk, problem.num_experts),
     )
     return grid, args, constexprs, config.launch_options(backend)

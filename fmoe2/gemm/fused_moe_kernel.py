@@ -363,7 +363,7 @@ def _fused_moe_kernel(
         la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
                                             LORA_SLOTS, LORA_RANK, 1)
         lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of, 0, LORA_IDS,
-                                       LORA_SLOTS, LORA_RANK, 1)
+                                              LORA_SLOTS, LORA_RANK, 1)
         _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
               _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),
               lb2_rows, lb2_used, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
@@ -373,7 +373,7 @@ def _fused_moe_kernel(
                 la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of,
                                                     first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
                 lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of,
-                                               first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                                                      first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
                 _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
                       stride_w2_h, offs_n, n_valid, H,
                       _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),

@@ -161,6 +161,25 @@ class PreparedMoELoRA:
     hidden_size: int
     intermediate_size: int
 
+    def __post_init__(self):
+        # A hand-built or cached object in another layout (B was [..., rank] before) would read
+        # the wrong elements without any error: check every shape against the layout.
+        check_tensor("lora.a13", self.a13, ndim=4, dtypes=FLOAT_DTYPES, shape_doc="[L, E, 2*R_pad, H_pad]")
+        L, E, two_r_pad, h_pad = self.a13.shape
+        R_pad, H, inter = padded_rank(self.rank), self.hidden_size, self.intermediate_size
+        if two_r_pad != 2 * R_pad or h_pad < H:
+            raise ValueError(f"lora.a13 must have shape [L, E, 2*R_pad, H_pad] = [{L}, {E}, {2 * R_pad}, >= {H}] "
+                             f"(rank {self.rank} padded to {R_pad}), got {tuple(self.a13.shape)}")
+        for name, rows, cols, doc in (("b13", 2 * R_pad, inter, "[L, E, 2*R_pad, I_pad] (gate_b^T, up_b^T)"),
+                                      ("a2", R_pad, inter, "[L, E, R_pad, I_pad]"),
+                                      ("b2", R_pad, H, "[L, E, R_pad, H_pad] (down_b^T)")):
+            t = getattr(self, name)
+            check_tensor(f"lora.{name}", t, ndim=4, dtypes=(self.a13.dtype,), shape_doc=doc)
+            if tuple(t.shape[:3]) != (L, E, rows) or t.shape[3] < cols:
+                raise ValueError(f"lora.{name} must have shape {doc} = [{L}, {E}, {rows}, >= {cols}], "
+                                 f"got {tuple(t.shape)} (make it with fmoe2.prepare_lora)")
+        check_tensor("lora.scaling", self.scaling, dtypes=(torch.float32,), shape=(L,), shape_doc=f"[L] = [{L}]")
+
     @property
     def num_loras(self) -> int:
         return self.a13.shape[0]

@@ -94,5 +94,5 @@ def test_fit_lora_config_keeps_what_was_measured_to_fit():
     # Tiles without adapters keep the plain loops' stages; the LoRA loops get 3 (233-307 KB with 4).
     assert (large.BLOCK_M, large.num_stages, large.lora_num_stages, large.num_warps, large.BLOCK_K) == (32, 4, 3, 8, 128)
     tall = fit_lora_config(FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_stages=3))
-    assert tall.BLOCK_K == 32 and tall.BLOCK_M == 64  # BLOCK_K=64 needed 270 KB
+    assert tall.BLOCK_K == 32 and tall.BLOCK_M == 64  # BLOCK_K=64 needed 270336 B (264 KiB)
     assert fit_lora_config(large) == large

@@ -72,19 +72,38 @@ def test_adapters_on_some_experts_only():
     run_and_check(23, 6, 40, 24, 2, 16, torch.float16, experts=[1, 4], seed=4)
 
 
-@pytest.mark.parametrize("num_loras,rank", [(8, 16), (16, 8), (5, 64), (3, 32), (2, 16)])
-def test_many_adapters_one_expert_tile(num_loras, rank):
+@pytest.mark.parametrize("num_loras,rank,dtype,prepared", [
+    (8, 16, torch.float16, True), (16, 8, torch.float16, True), (5, 64, torch.float16, True),
+    (3, 32, torch.float16, True), (2, 16, torch.float16, True), (8, 16, torch.float32, False),
+    (5, 64, torch.float32, False)])
+def test_many_adapters_one_expert_tile(num_loras, rank, dtype, prepared):
     # All tokens on one expert, every tile mixes many adapters: with more adapters in a tile than
     # the kernel stacks into one operand (LORA_SLOTS), further slot groups take extra passes.
     M = 40
     ids = torch.zeros(M, 1, dtype=torch.int32)
     lora_ids = (torch.arange(M, dtype=torch.int32) % (num_loras + 1) - 1).to(DEVICE)  # -1, 0..L-1
-    x, w1, w2, tw, ti = make_problem(M, 2, 32, 40, 1, torch.float16, ids=ids)
-    lora = make_lora(num_loras, 2, 32, 40, rank, torch.float16)
+    x, w1, w2, tw, ti = make_problem(M, 2, 32, 40, 1, dtype, ids=ids)
+    lora = make_lora(num_loras, 2, 32, 40, rank, dtype)
     cfg = FusedMoEConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_H=32)
-    out = fused_moe(x, prepare_weights(w1, w2), None, tw, ti, lora=lora, token_lora_ids=lora_ids, config=cfg,
-                    out=poisoned(M, 32, torch.float16))
+    weights = (prepare_weights(w1, w2), None) if prepared else (w1, w2)
+    out = fused_moe(x, *weights, tw, ti, lora=lora, token_lora_ids=lora_ids, config=cfg, out=poisoned(M, 32, dtype))
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_one_slot_tile_mixing_adapters(activation):
+    # Fewer routed rows than experts gives one slot (LORA_SLOTS=1), yet a tile may still mix
+    # adapters: here 3 tokens with adapters 0, 1, 2 all on expert 0 of 8 take two further passes.
+    M, E, H, I = 3, 8, 40, 24
+    ids = torch.zeros(M, 1, dtype=torch.int32)
+    lora_ids = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, 1, torch.float16, ids=ids)
+    lora = make_lora(3, E, H, I, 16, torch.float16)
+    fm = importlib.import_module("fmoe2.gemm.fused_moe")
+    assert fm.lora_constexprs(prepare_lora(lora), num_rows=M, num_experts=E)["LORA_SLOTS"] == 1
+    out = fused_moe(x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids, config=SMALL,
+                    out=poisoned(M, H, torch.float16))
+    assert_matches_reference(out, x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids)
 
 
 def test_lora_slots_stack_adapters_up_to_the_stack_width():
@@ -113,6 +132,23 @@ def test_prepared_lora_round_trips():
     for name in ("gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b", "scaling"):
         torch.testing.assert_close(getattr(back, name), getattr(lora, name), rtol=0, atol=0)
     assert prepare_lora(lora).padded_rank == 16
+
+
+def test_prepared_lora_in_another_layout_is_refused():
+    # B in vLLM's [..., rank] layout (what an older or hand-built object may hold) would be read
+    # as the wrong elements: refused with the expected shape.
+    import dataclasses
+    good = prepare_lora(make_lora(2, 4, 40, 24, 16, torch.float16))
+    old_b13 = good.b13[..., :24].transpose(2, 3).contiguous()  # [L, E, 2I, R_pad]
+    with pytest.raises(ValueError, match=r"lora\.b13 must have shape"):
+        dataclasses.replace(good, b13=old_b13)
+    old_b2 = good.b2[..., :40].transpose(2, 3).contiguous()  # [L, E, H, R_pad]
+    with pytest.raises(ValueError, match=r"lora\.b2 must have shape"):
+        dataclasses.replace(good, b2=old_b2)
+    with pytest.raises(ValueError, match="contiguous"):
+        dataclasses.replace(good, b2=good.b2.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(ValueError, match=r"lora\.a13 must have shape"):
+        dataclasses.replace(good, rank=32)
 
 
 def _lora_tensors(L=2, E=4, R=16, H=32, I=24, dtype=torch.float16):
