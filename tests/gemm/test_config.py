@@ -96,3 +96,26 @@ def test_fit_lora_config_keeps_what_was_measured_to_fit():
     tall = fit_lora_config(FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_stages=3))
     assert tall.BLOCK_K == 32 and tall.BLOCK_M == 64  # BLOCK_K=64 needed 270336 B (264 KiB)
     assert fit_lora_config(large) == large
+
+
+def test_lora_stages_reach_only_the_lora_kernel():
+    # The plain kernel ignores LORA_STAGES: it gets a constant, so a LoRA-fitted config (different
+    # lora_num_stages) compiles no second copy of it; with adapters it is the fitted depth.
+    from fmoe2.codegen import _meta_lora
+    from fmoe2.gemm.config import fit_lora_config
+    from fmoe2.gemm.fused_moe import MoEProblem, fused_kernel_launch
+    from fmoe2.sorting import MoESortingResult
+
+    M, E, H, I, topk = 4, 8, 64, 128, 2
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta),
+                         False, E, H, I, topk)
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_stages=4)
+    fitted = fit_lora_config(cfg)
+    assert fitted.lora_num_stages == 3
+    sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta")
+    plain = [fused_kernel_launch(problem, problem.x, sorting, "silu", c, "cuda")[2] for c in (cfg, fitted)]
+    assert plain[0]["LORA_STAGES"] == plain[1]["LORA_STAGES"] == 1
+    problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
+    problem.token_lora_ids = torch.empty(M, dtype=torch.int32, device="meta")
+    assert fused_kernel_launch(problem, problem.x, sorting, "silu", fitted, "cuda")[2]["LORA_STAGES"] == 3
