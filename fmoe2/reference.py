@@ -4,7 +4,6 @@ They run on any device, take the same arguments as the kernels and favour clarit
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -41,9 +40,11 @@ def moe_sorting_reference(
     *,
     expert_map: Optional[torch.Tensor] = None,
 ) -> Tuple[Dict[int, List[Tuple[int, float]]], int]:
-    """Per local expert, the sorted list of (token, weight) routed to it, and the padded total.
+    """Per local expert, the sorted list of (token, weight) routed to it, and the rows in use.
 
-    This is what :func:`fmoe2.moe_sorting` must hold, independent of tile order.
+    This is what :func:`fmoe2.moe_sorting` must hold, independent of tile order. The rows in use
+    are ``(kept // block_m + min(num_experts, kept)) * block_m`` for ``kept`` routing entries:
+    every expert's padded tiles plus the gap tiles of the layout (see :mod:`fmoe2.sorting.moe_sorting`).
     """
     ids = local_expert_ids(topk_ids, num_experts, expert_map).cpu()
     weights = topk_weights.float().cpu()
@@ -54,8 +55,8 @@ def moe_sorting_reference(
             e = int(ids[t, k])
             if e >= 0:
                 per_expert[e].append((t, float(weights[t, k])))
-    total = sum(math.ceil(len(v) / block_m) * block_m for v in per_expert.values())
-    return per_expert, total
+    num_kept = sum(len(v) for v in per_expert.values())
+    return per_expert, (num_kept // block_m + min(num_experts, num_kept)) * block_m
 
 
 def _unpack_weights(w1, w2):

@@ -61,10 +61,13 @@ def test_large_sorts_exact(M, topk, E):
     res = moe_sorting(ids, w, E, block_m)
     total = int(res.num_tokens_post_padded.item())
     counts = torch.bincount(ids.flatten().long(), minlength=E)
-    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert total == (M * topk // block_m + min(E, M * topk)) * block_m  # expert tiles + gap tiles
+    tiles = res.sorted_expert_ids[:total // block_m].long()
+    assert torch.equal(torch.bincount(tiles[tiles >= 0], minlength=E), (counts + block_m - 1) // block_m)
     tok = res.sorted_token_ids[:total].long()
-    expert_of_row = res.sorted_expert_ids[:total // block_m].long().repeat_interleave(block_m)
+    expert_of_row = tiles.repeat_interleave(block_m)
     real = tok < M
+    assert (expert_of_row[real] >= 0).all()  # gap tiles hold only padding
     got = (expert_of_row[real] * M + tok[real]).sort()
     want = (ids.long() * M + torch.arange(M, device="cuda")[:, None]).flatten().sort()
     assert torch.equal(got.values, want.values)

@@ -269,7 +269,8 @@ def _fused_moe_kernel(
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
     LORA_STAGES: tl.constexpr,  # pipeline depth of the loops that carry adapter work (tiles without: num_stages)
 ):
-    """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` exit at once.
+    """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` or on a gap
+    tile (expert -1) exit at once.
 
     Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and
     no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
@@ -284,8 +285,10 @@ def _fused_moe_kernel(
     slice_id = local // group_tiles
     if tile >= tl.load(num_sorted_tiles_ptr):
         return
-
     expert = tl.load(sorted_expert_ids_ptr + tile).to(tl.int64)
+    if expert < 0:  # a gap tile of the sorted layout
+        return
+
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     token = tl.load(sorted_token_ids_ptr + offs_m)
     row_valid = token < num_tokens

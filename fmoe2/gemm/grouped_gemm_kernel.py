@@ -41,7 +41,7 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block);
-    programs past ``num_sorted_tiles`` exit at once."""
+    programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     programs_per_group = GROUP_M * num_n_blocks
@@ -51,11 +51,13 @@ def _grouped_gemm_kernel(
     n_block = (pid % programs_per_group) // group_tiles
     if tile >= tl.load(num_sorted_tiles_ptr):
         return
+    expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
+    if expert < 0:  # a gap tile of the sorted layout
+        return
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_id = tl.load(sorted_ids_ptr + offs_m)
     row_valid = row_id < num_valid_ids
     row_id = row_id.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

@@ -5,35 +5,45 @@ Contract (worked example, M=4 tokens, topk=2, E=4 experts, block_m=4)::
     topk_ids     = [[2, 0], [2, 3], [0, 2], [2, 2]]      # token 3 picked expert 2 twice
     topk_weights = [[.6, .4], [.7, .3], [.5, .5], [.9, .1]]
 
-    sorted_token_ids  = [0, 2, 4, 4,   0, 1, 2, 3,  3, 4, 4, 4,   1, 4, 4, 4,  <tail: 4 ...>]
-    sorted_weights    = [.4, .5, 0, 0, .6, .7, .5, .9, .1, 0, 0, 0, .3, 0, 0, 0, <tail: 0 ...>]
-    sorted_expert_ids = [0, 2, 2, 3, <tail: -1 ...>]
-    num_tokens_post_padded = [16],  num_sorted_tiles = [4]
+    sorted_token_ids  = [0, 2, 4, 4,  4, 4, 4, 4,  0, 1, 2, 3,  3, 4, 4, 4,  1, 4, 4, 4,  4, 4, 4, 4]
+    sorted_weights    = [.4, .5, 0, 0,  0, 0, 0, 0,  .6, .7, .5, .9,  .1, 0, 0, 0,  .3, 0, 0, 0,  0, 0, 0, 0]
+    sorted_expert_ids = [0, -1, 2, 2, 3, -1]
+    num_tokens_post_padded = [24],  num_sorted_tiles = [6]
 
 * ids are **actual token ids** (not token*topk+slot); padding id is M (here 4), weight 0;
 * experts appear in increasing order, each expert's entries in increasing (token, slot) order,
-  padded to a multiple of block_m; experts with no tokens get no tile (expert 1 above);
-* buffers are sized for the worst case, ``M*topk + E*(block_m-1)`` rounded up to block_m, so
-  shapes never depend on the routing (CUDA-graph safe); entries past
+  padded to a multiple of block_m; experts with no tokens get no tile of their own (expert 1);
+* **gap tiles** (expert id -1, padding rows) may sit between experts' tiles (tiles 1 and 5
+  above). Consumers skip tiles whose expert is -1; ``num_sorted_tiles`` counts them, and is
+  ``entries // block_m + min(E, entries)`` for ``entries`` kept routing entries;
+* buffers are sized for the worst case, ``max_busy_tiles = M*topk // block_m + min(E, M*topk)``
+  tiles, so shapes never depend on the routing (CUDA-graph safe); entries past
   ``num_tokens_post_padded`` hold the padding id, tiles past ``num_sorted_tiles`` hold -1;
 * with ``expert_map`` (global id -> local id or -1), entries whose expert maps to -1 are
   dropped and tiles carry local ids. Any id outside ``[0, E)`` after mapping (for example -1)
   is dropped too.
 
-Design: program ``e < E`` owns expert ``e``. It builds the full expert histogram (to know where
-its region starts: the padded counts of experts ``< e``), then scans the routing again and
-scatters its own entries with a running prefix sum. Up to ``MAX_ZERO_PROGRAMS`` extra programs,
-placed after the expert programs, zero the output buffer.
-Every program reads ``M*topk`` ids twice, which is far under the cost of the GEMM that follows
-and avoids a grid-wide barrier (Triton has none), keeping the sort to a single launch.
+Design: program ``e < E`` owns expert ``e`` and the tiles
+``[floor(A(e) / block_m) + min(e, A(e)), same at e + 1)``, where ``A(e)`` counts the kept
+entries of experts ``< e``. That range holds the expert's ``ceil(count / block_m)`` tiles (the
+floor term grows by at least ``ceil(count / block_m) - 1``, the min term by at least 1 when the
+expert has entries); the rest are gap tiles. One pass of comparisons gives ``A(e)``, so no
+program builds the full per-expert histogram that a dense layout needs (Triton has no grid-wide
+barrier to share one, and this keeps the sort to a single launch). The program then scans the
+routing again, scatters its own entries with a running prefix sum and pads its range. Where
+the GPU has multiprocessors to spare, an expert gets 2 programs that each scatter half of the
+scan steps (``scatter_parts``). Up to ``MAX_ZERO_PROGRAMS`` extra programs, placed after the
+expert programs, zero the output buffer.
 
-Measured on an H200 (Qwen3-30B-A3B routing, E=128, topk=8, M=4096, zeroing a 16 MB output):
-256 zeroing programs launched before the expert programs took the sort from 34 us (no zeroing)
-to 59 us; 64 programs launched after them, with both scans stepping by a block index, take 37 us
-(variants mixing these choices measured 37-59 us; the id loads compile to the same 128-bit loads
-either way, so how the loop form matters is not known). Splitting an expert's scatter over
-several programs or prefetching the next block of ids did not help: the histogram pass is
-bound by the shared-memory atomics of ``tl.histogram``, and more programs run more of them.
+Measured (Qwen3-30B-A3B routing, E=128, topk=8, M=4096, zeroing a 16 MB output). Dense layout,
+H200: 256 zeroing programs launched before the expert programs took the sort from 34 us (no
+zeroing) to 59 us; 64 programs launched after them take 37 us, of which 27 us were a histogram
+pass (``tl.histogram``, bound by its shared-memory atomics). This layout, H100, same run: 31-32
+us vs 37 us dense (DeepSeek-V2-Lite M=4096: 22-24 us vs 27 us with one part, 18 us with two).
+What is left is instruction issue: ncu shows 0.37 instructions issued per scheduler cycle with
+2.1 warps resident per scheduler (116 registers allow 2 programs per multiprocessor); removing
+the scatter's layout conversions, loading the weights densely with the ids, or pipelining the
+scans (``num_stages`` 2-4) each changed the time by less than the run-to-run spread.
 """
 from __future__ import annotations
 
@@ -88,17 +98,15 @@ class MoESortingResult:
         )
 
 
-def max_num_tokens_padded(num_entries: int, num_experts: int, block_m: int) -> int:
-    """Worst-case sorted length: ``num_entries + E*(block_m-1)`` rounded up to ``block_m``."""
-    n = num_entries + num_experts * (block_m - 1)
-    return triton.cdiv(n, block_m) * block_m
-
-
 def max_busy_tiles(num_entries: int, num_experts: int, block_m: int) -> int:
-    """Most tiles any routing can fill: every tile holds >= 1 entry and only experts with
-    tokens get tiles, so at most ``(entries + min(E, entries)*(block_m-1)) // block_m``."""
-    busy_experts = min(num_experts, num_entries)
-    return (num_entries + busy_experts * (block_m - 1)) // block_m
+    """Most tiles (gap tiles included) any routing can use: ``num_entries // block_m + min(E,
+    num_entries)``, reached when every entry is kept."""
+    return num_entries // block_m + min(num_experts, num_entries)
+
+
+def max_num_tokens_padded(num_entries: int, num_experts: int, block_m: int) -> int:
+    """Worst-case sorted length: ``max_busy_tiles * block_m`` rows."""
+    return max_busy_tiles(num_entries, num_experts, block_m) * block_m
 
 
 @triton.jit
@@ -125,7 +133,7 @@ def _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs,
     return tl.where(keep, ids, 0).to(tl.int32), keep
 
 
-@triton.jit(do_not_specialize=["num_zero_programs"])
+@triton.jit(do_not_specialize=["num_zero_programs", "num_parts"])
 def _moe_sorting_kernel(
     topk_ids_ptr,  # [M * TOPK] int32/int64, row-major [M, TOPK]
     topk_weights_ptr,  # [M * TOPK] float
@@ -143,26 +151,29 @@ def _moe_sorting_kernel(
     max_num_padded,
     out_numel,
     num_zero_programs,  # programs that zero ``out`` (a runtime value: no recompile per batch size)
+    num_parts,  # programs per expert: part p scatters the expert's entries in the p-th share of the scan steps
     num_loras,  # adapters (LORA_KEYS only)
     # meta-parameters
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
-    NUM_BINS: tl.constexpr,  # next power of two >= NUM_EXPERTS
     BLOCK_M: tl.constexpr,
     SCAN_BLOCK: tl.constexpr,  # routing entries per step
-    FILL_BLOCK: tl.constexpr,  # tail entries per store (the tail is up to E*(BLOCK_M-1) long even for one token)
+    FILL_BLOCK: tl.constexpr,  # tail entries per store (the tail is up to min(E, M*TOPK)*BLOCK_M long)
     HAS_EXPERT_MAP: tl.constexpr,
     EXPANDED_IDS: tl.constexpr,  # store token*TOPK+slot (vLLM's convention, for the baseline) instead of token
     LORA_KEYS: tl.constexpr,  # sort by (adapter, expert): the baseline's LoRA alignment
     ZERO_OUT: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
 ):
-    """Grid: (NUM_EXPERTS + num_zero_programs,). Program e < NUM_EXPERTS sorts expert e; the
-    programs after them zero ``out`` (dispatched first, these delayed the sort: see the module docstring)."""
-    expert = tl.program_id(0)
+    """Grid: (NUM_EXPERTS * num_parts + num_zero_programs,). Programs ``e * num_parts + p`` sort
+    expert e; the programs after them zero ``out`` (dispatched first, these delayed the sort: see
+    the module docstring)."""
+    pid = tl.program_id(0)
+    expert = pid // num_parts
+    part = pid % num_parts
     if ZERO_OUT:
-        if expert >= NUM_EXPERTS:
-            zero_pid = expert - NUM_EXPERTS
+        if pid >= NUM_EXPERTS * num_parts:
+            zero_pid = pid - NUM_EXPERTS * num_parts
             zero_offs = tl.arange(0, ZERO_BLOCK)
             zeros = tl.zeros([ZERO_BLOCK], dtype=out_ptr.dtype.element_ty)
             step = num_zero_programs.to(tl.int64) * ZERO_BLOCK
@@ -170,28 +181,41 @@ def _moe_sorting_kernel(
                 offs = start + zero_offs
                 tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
             return
-    bins = tl.arange(0, NUM_BINS)
     scan = tl.arange(0, SCAN_BLOCK)
 
-    # Pass 1: histogram of all experts -> where this expert's region starts.
-    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    # Pass 1: entries of experts < e (A), of e itself (all, and in steps before this part's), in total.
+    below = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
+    mine = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
+    mine_before_part = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
+    kept = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
     num_steps = tl.cdiv(num_entries, SCAN_BLOCK)
+    steps_per_part = tl.cdiv(num_steps, num_parts)
+    part_first_step = part * steps_per_part
+    part_end_step = tl.minimum(part_first_step + steps_per_part, num_steps)
     for step in range(0, num_steps):
         offs = step * SCAN_BLOCK + scan
         ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
                                          num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
-        counts += tl.histogram(ids, NUM_BINS, mask=keep)
-    padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-    region_start = tl.sum(tl.where(bins < expert, padded, 0), axis=0)
-    my_count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
-    my_padded = tl.sum(tl.where(bins == expert, padded, 0), axis=0)
-    total_padded = tl.sum(padded, axis=0)
+        kept += keep.to(tl.int32)
+        below += (keep & (ids < expert)).to(tl.int32)
+        hit = keep & (ids == expert)
+        mine += hit.to(tl.int32)
+        mine_before_part += (hit & (step < part_first_step)).to(tl.int32)
+    num_kept = tl.sum(kept, axis=0)
+    num_below = tl.sum(below, axis=0)
+    my_count = tl.sum(mine, axis=0)
+    my_count_before_part = tl.sum(mine_before_part, axis=0)
+    # Expert e owns tiles [first_tile, next_first_tile): its own my_tiles, then gap tiles (-1).
+    first_tile = num_below // BLOCK_M + tl.minimum(expert, num_below)
+    my_tiles = tl.cdiv(my_count, BLOCK_M)
+    next_first_tile = (num_below + my_count) // BLOCK_M + tl.minimum(expert + 1, num_below + my_count)
 
-    # Program 0 writes the counters and fills the unused tail of the worst-case buffers (before its
-    # scatter, so that the total is not kept live across it: sm_90 spilled it at 32 registers).
-    if expert == 0:
+    # Program 0 writes the counters and fills the unused tail of the worst-case buffers.
+    if pid == 0:
+        total_tiles = num_kept // BLOCK_M + tl.minimum(NUM_EXPERTS, num_kept)
+        total_padded = total_tiles * BLOCK_M
         tl.store(num_tokens_post_padded_ptr, total_padded)
-        tl.store(num_sorted_tiles_ptr, total_padded // BLOCK_M)
+        tl.store(num_sorted_tiles_ptr, total_tiles)
         fill = tl.arange(0, FILL_BLOCK)
         for start in range(total_padded, max_num_padded, FILL_BLOCK):
             offs = start + fill
@@ -199,15 +223,15 @@ def _moe_sorting_kernel(
             tl.store(sorted_token_ids_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
             tl.store(sorted_weights_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.float32), mask=tail)
         max_tiles = max_num_padded // BLOCK_M
-        for t in range(total_padded // BLOCK_M, max_tiles, FILL_BLOCK):
+        for t in range(total_tiles, max_tiles, FILL_BLOCK):
             tiles = t + fill
             tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([FILL_BLOCK], dtype=tl.int32) - 1,
                      mask=tiles < max_tiles)
 
-    # Pass 2: scatter this expert's entries in (token, slot) order.
+    # Pass 2: scatter this part's share of the expert's entries in (token, slot) order.
     if my_count > 0:
-        rank_base = region_start
-        for step in range(0, num_steps):
+        rank_base = first_tile * BLOCK_M + my_count_before_part
+        for step in range(part_first_step, part_end_step):
             offs = step * SCAN_BLOCK + scan
             ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs,
                                              offs < num_entries, num_global_experts, num_loras, NUM_EXPERTS,
@@ -221,18 +245,18 @@ def _moe_sorting_kernel(
             tl.store(sorted_weights_ptr + dest, weight, mask=hit)
             rank_base += tl.sum(hit_i32, axis=0)
 
-        # Pad the expert's last tile, then label its tiles.
-        row = tl.arange(0, BLOCK_M)
-        pad_pos = region_start + my_count + row
-        pad_mask = pad_pos < region_start + my_padded
-        tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([BLOCK_M], dtype=tl.int32) + pad_id, mask=pad_mask)
-        tl.store(sorted_weights_ptr + pad_pos, tl.zeros([BLOCK_M], dtype=tl.float32), mask=pad_mask)
-        first_tile = region_start // BLOCK_M
-        last_tile = (region_start + my_padded) // BLOCK_M
-        for t in range(first_tile, last_tile, SCAN_BLOCK):
-            tiles = t + scan
-            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([SCAN_BLOCK], dtype=tl.int32) + expert,
-                     mask=tiles < last_tile)
+    # Pad the expert's last tile and its gap tiles, then label both kinds of tile.
+    if part == num_parts - 1:
+        pad_row = tl.arange(0, 2 * BLOCK_M)
+        for start in range(first_tile * BLOCK_M + my_count, next_first_tile * BLOCK_M, 2 * BLOCK_M):
+            pad_pos = start + pad_row
+            pad_mask = pad_pos < next_first_tile * BLOCK_M
+            tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([2 * BLOCK_M], dtype=tl.int32) + pad_id, mask=pad_mask)
+            tl.store(sorted_weights_ptr + pad_pos, tl.zeros([2 * BLOCK_M], dtype=tl.float32), mask=pad_mask)
+        for t in range(first_tile, next_first_tile, 2 * BLOCK_M):
+            tiles = t + pad_row
+            label = tl.where(tiles < first_tile + my_tiles, expert, -1)
+            tl.store(sorted_expert_ids_ptr + tiles, label, mask=tiles < next_first_tile)
 
 
 def _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map):
@@ -285,8 +309,25 @@ def moe_sorting(
     return result
 
 
+def scatter_parts(num_keys: int, num_scan_steps: int, device) -> int:
+    """Programs per expert (sort key): 2 when twice the keys fit on the GPU's multiprocessors and
+    the scan has at least 2 steps, else 1.
+
+    Each part still runs pass 1 over all entries but scatters only its share of the steps, so a
+    second part helps only where it runs on an otherwise idle multiprocessor. H100, sort time with
+    2 parts vs 1: DeepSeek-V2-Lite (E=64) M=1024 7.0-7.2 vs 9.3 us, M=4096 17.9-18.5 vs 22.4-24.5 us;
+    Qwen3-30B-A3B (E=128, 256 programs on 132 multiprocessors) M=4096 33-34 vs 31-32 us; 4 parts
+    were slower than 2 at every point measured.
+    """
+    if num_scan_steps < 2 or torch.device(device).type != "cuda":
+        return 1
+    num_compute_units = torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 if 2 * num_keys <= num_compute_units else 1
+
+
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
-                          expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0):
+                          expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
+                          num_parts: Optional[int] = None):
     """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
 
     ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
@@ -300,7 +341,10 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     out_numel = out.numel() if out is not None else 0
     num_zero_programs = min(triton.cdiv(out_numel, ZERO_BLOCK), MAX_ZERO_PROGRAMS)
     num_keys = num_experts * num_loras if token_lora_ids is not None else num_experts
-    grid = (num_keys + num_zero_programs,)
+    scan_block = min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK)
+    if num_parts is None:
+        num_parts = scatter_parts(num_keys, triton.cdiv(num_entries, scan_block), topk_ids.device)
+    grid = (num_keys * num_parts + num_zero_programs,)
     args = dict(
         topk_ids_ptr=topk_ids,
         topk_weights_ptr=topk_weights,
@@ -319,14 +363,14 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         max_num_padded=result.sorted_token_ids.numel(),
         out_numel=out_numel,
         num_zero_programs=num_zero_programs,
+        num_parts=num_parts,
         num_loras=num_loras,
     )
     constexprs = dict(
         TOPK=topk,
         NUM_EXPERTS=num_keys,
-        NUM_BINS=triton.next_power_of_2(num_keys),
         BLOCK_M=result.block_m,
-        SCAN_BLOCK=min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK),
+        SCAN_BLOCK=scan_block,
         FILL_BLOCK=min(max(triton.next_power_of_2(result.sorted_token_ids.numel()), 16), MAX_SCAN_BLOCK),
         HAS_EXPERT_MAP=expert_map is not None,
         EXPANDED_IDS=expanded_ids,
@@ -338,12 +382,13 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
 
 
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
-                       expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0) -> None:
+                       expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
+                       num_parts: Optional[int] = None) -> None:
     """Launches the sorting kernel into the preallocated ``result`` buffers.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
-                                                            out, expanded_ids, token_lora_ids, num_loras)
+                                                            out, expanded_ids, token_lora_ids, num_loras, num_parts)
     with on_device(topk_ids):
         _moe_sorting_kernel[grid](**args, **constexprs, **options)

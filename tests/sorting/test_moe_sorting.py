@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from fmoe2 import moe_sorting, moe_sorting_reference
-from fmoe2.sorting import max_num_tokens_padded
+from fmoe2.sorting import MoESortingResult, launch_moe_sorting, max_num_tokens_padded
+from fmoe2.sorting.moe_sorting import scatter_parts
 from helpers import DEVICE
 
 
@@ -22,11 +23,14 @@ def check_sorting(topk_ids, topk_weights, E, block_m, expert_map=None):
     assert res.num_tokens_post_padded.item() == total
     assert res.num_sorted_tiles.item() == total // block_m
     num_tiles = total // block_m
-    # Tiles: experts in increasing order, only experts with tokens, the right number of tiles each.
+    # Tiles: experts in increasing order, only experts with tokens, the right number of tiles each,
+    # each expert's tiles followed by at most one gap tile (-1).
     used = tiles[:num_tiles].tolist()
-    assert used == sorted(used)
+    busy = [t for t in used if t >= 0]
+    assert busy == sorted(busy) and all(-1 <= t < E for t in used)
     for e in range(E):
-        assert used.count(e) == -(-len(expected[e]) // block_m), f"expert {e}"
+        assert busy.count(e) == -(-len(expected[e]) // block_m), f"expert {e}"
+    assert total <= length
     # Per tile: real entries first, then padding (id M, weight 0); per expert: exact multiset, sorted.
     got = {e: [] for e in range(E)}
     for t in range(num_tiles):
@@ -36,7 +40,7 @@ def check_sorting(topk_ids, topk_weights, E, block_m, expert_map=None):
             if tok == M:
                 assert wt == 0.0
             else:
-                assert 0 <= tok < M
+                assert 0 <= tok < M and used[t] >= 0, f"tile {t}: entry in a gap tile"
                 got[used[t]].append((tok, wt))
     for e in range(E):
         assert [tok for tok, _ in got[e]] == sorted(tok for tok, _ in got[e]), f"expert {e} not in token order"
@@ -50,11 +54,11 @@ def test_worked_example_from_docs():
     ids = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 2]], dtype=torch.int32, device=DEVICE)
     w = torch.tensor([[.6, .4], [.7, .3], [.5, .5], [.9, .1]], device=DEVICE)
     res = moe_sorting(ids, w, 4, 4)
-    assert res.sorted_token_ids.tolist()[:16] == [0, 2, 4, 4, 0, 1, 2, 3, 3, 4, 4, 4, 1, 4, 4, 4]
-    assert res.sorted_expert_ids.tolist()[:4] == [0, 2, 2, 3]
-    assert torch.allclose(res.sorted_weights[:16].cpu(),
-                          torch.tensor([.4, .5, 0, 0, .6, .7, .5, .9, .1, 0, 0, 0, .3, 0, 0, 0]))
-    assert res.num_tokens_post_padded.item() == 16 and res.num_sorted_tiles.item() == 4
+    assert res.sorted_token_ids.tolist() == [0, 2, 4, 4, 4, 4, 4, 4, 0, 1, 2, 3, 3, 4, 4, 4, 1, 4, 4, 4, 4, 4, 4, 4]
+    assert res.sorted_expert_ids.tolist() == [0, -1, 2, 2, 3, -1]
+    assert torch.allclose(res.sorted_weights.cpu(), torch.tensor(
+        [.4, .5, 0, 0, 0, 0, 0, 0, .6, .7, .5, .9, .1, 0, 0, 0, .3, 0, 0, 0, 0, 0, 0, 0]))
+    assert res.num_tokens_post_padded.item() == 24 and res.num_sorted_tiles.item() == 6
 
 
 @pytest.mark.parametrize("M,topk,E,block_m,id_dtype", [
@@ -80,7 +84,44 @@ def test_all_tokens_on_one_expert_and_empty_experts():
     ids[:, 1] = 7
     w = torch.rand(M, topk)
     res = check_sorting(ids.to(DEVICE), w.to(DEVICE), E, 16)
-    assert set(res.sorted_expert_ids[:res.num_sorted_tiles.item()].tolist()) == {4, 7}
+    assert set(res.sorted_expert_ids[:res.num_sorted_tiles.item()].tolist()) - {-1} == {4, 7}
+
+
+def test_worst_case_routing_fills_the_buffers():
+    # Every expert gets exactly block_m entries: each is followed by a gap tile, and the layout
+    # uses all max_busy_tiles tiles of the worst-case buffers.
+    M, topk, E, block_m = 32, 2, 4, 16
+    ids = torch.arange(M * topk, dtype=torch.int32).reshape(M, topk) % E
+    res = check_sorting(ids.to(DEVICE), torch.rand(M, topk).to(DEVICE), E, block_m)
+    assert res.num_tokens_post_padded.item() == res.sorted_token_ids.numel() == max_num_tokens_padded(M * topk, E, block_m)
+    assert res.sorted_expert_ids.tolist() == [0, -1, 1, -1, 2, -1, 3, -1]
+
+
+@pytest.mark.parametrize("num_parts", [2, 3])
+def test_experts_split_over_several_programs(num_parts, monkeypatch):
+    # 16-entry scan blocks give 9 steps, shared unevenly by the parts; the result is bit-identical.
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_SCAN_BLOCK", 16)
+    M, topk, E, block_m = 47, 3, 6, 16
+    gen = torch.Generator().manual_seed(num_parts)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]).int().to(DEVICE)
+    w = torch.rand(M, topk, generator=gen).to(DEVICE)
+    expected = check_sorting(ids, w, E, block_m)
+    got = MoESortingResult.allocate(M * topk, E, block_m, M, ids.device)
+    out = torch.full((M, 5), float("nan"), device=DEVICE)
+    launch_moe_sorting(ids, w, E, None, got, out, num_parts=num_parts)
+    for name in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded",
+                 "num_sorted_tiles"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert (out == 0).all()
+
+
+def test_scatter_parts_rule():
+    assert scatter_parts(64, 8, "cpu") == 1 and scatter_parts(64, 8, "meta") == 1
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert scatter_parts(sms // 2, 2, "cuda:0") == 2
+        assert scatter_parts(sms // 2, 1, "cuda:0") == 1  # one scan step: nothing to share
+        assert scatter_parts(sms // 2 + 1, 2, "cuda:0") == 1
 
 
 def test_large_expert_count():
