@@ -79,11 +79,15 @@ def write_report(out_dir: str, device: str, plot_dir: str = None) -> str:
         return f"no results for {device} in {out_dir}"
     plot_dir = plot_dir or os.path.dirname(os.path.abspath(out_dir))
     head = runs[0]
+    # One line per run (one command; a run may cover several shapes, a table several runs).
+    by_run = {}
+    for r in runs:
+        by_run.setdefault((r["date"], r["command"]), (r, []))[1].append(r["results"][0]["shape"] if r["results"] else "")
+    run_lines = [f"  - {date}: `{command}` ({', '.join(shapes)}; copy {r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} "
+                 f"TB/s, bf16 matmul {r['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; torch {r['torch']}, "
+                 f"Triton {r['triton']})" for (date, command), (r, shapes) in sorted(by_run.items())]
     md = [f"# fmoe2 benchmark on {head['device']}", "",
-          f"- date: {head['date']}; torch {head['torch']}, Triton {head['triton']}",
-          f"- ceilings measured in the same run: copy {head['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-          f"bf16 matmul {head['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s",
-          "- commands: " + "; ".join(sorted({f"`{r['command']}`" for r in runs})),
+          "- runs (date, command, shape, ceilings measured in the same run, versions):", *run_lines,
           "- timing: 10 calls per CUDA graph, CUDA events, median of 50 replays; sort and zeroing inside fmoe2's "
           "time, alignment, activation and top-k sum inside the baseline's", "",
           _table(runs)]
