@@ -252,7 +252,7 @@ def fused_moe(
             (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
             the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
             atomic adds per output element; workspace ``y`` of at most
-            ``(M*topk + min(E, M*topk)*(BLOCK_M-1)) x I`` elements). With ``lora``, "auto"
+            ``(M*topk // BLOCK_M + min(E, M*topk)) * BLOCK_M x I`` elements). With ``lora``, "auto"
             means "fused" and "two_stage" is refused.
         lora: optional :class:`fmoe2.MoELoRA` adapters (better: :func:`fmoe2.prepare_lora` of
             them, done once; an unprepared one is converted on every call). Their deltas are
