@@ -77,8 +77,8 @@ class MoESortingResult:
 
     sorted_token_ids: torch.Tensor  # int32 [max_num_tokens_padded]: token id, padding = M
     sorted_weights: torch.Tensor  # float32 [max_num_tokens_padded]: routing weight, padding = 0
-    sorted_expert_ids: torch.Tensor  # int32 [max_num_tokens_padded // block_m]: local expert per tile, -1 past the end
-    num_tokens_post_padded: torch.Tensor  # int32 [1]: rows in use (sum of padded expert counts)
+    sorted_expert_ids: torch.Tensor  # int32 [max_num_tokens_padded // block_m]: local expert per tile, -1 on gap tiles and past the end
+    num_tokens_post_padded: torch.Tensor  # int32 [1]: rows in use (padded expert tiles and gap tiles)
     num_sorted_tiles: torch.Tensor  # int32 [1]: tiles in use = num_tokens_post_padded // block_m
     block_m: int  # rows per tile
     num_tokens: int  # M, also the padding id

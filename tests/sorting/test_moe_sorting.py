@@ -23,8 +23,8 @@ def check_sorting(topk_ids, topk_weights, E, block_m, expert_map=None):
     assert res.num_tokens_post_padded.item() == total
     assert res.num_sorted_tiles.item() == total // block_m
     num_tiles = total // block_m
-    # Tiles: experts in increasing order, only experts with tokens, the right number of tiles each,
-    # each expert's tiles followed by at most one gap tile (-1).
+    # Tiles: experts in increasing order, only experts with tokens, the right number of tiles each;
+    # the others are gap tiles (-1).
     used = tiles[:num_tiles].tolist()
     busy = [t for t in used if t >= 0]
     assert busy == sorted(busy) and all(-1 <= t < E for t in used)
@@ -122,6 +122,24 @@ def test_scatter_parts_rule():
         assert scatter_parts(sms // 2, 2, "cuda:0") == 2
         assert scatter_parts(sms // 2, 1, "cuda:0") == 1  # one scan step: nothing to share
         assert scatter_parts(sms // 2 + 1, 2, "cuda:0") == 1
+
+
+def test_reused_buffers_hold_no_stale_data():
+    # CUDA-graph replays reuse the result buffers: a second launch with other routing must rewrite
+    # every element (garbage-filled buffers, then all tokens on one expert, then uniform routing).
+    M, topk, E, block_m = 18, 2, 8, 4
+    gen = torch.Generator().manual_seed(11)
+    res = MoESortingResult.allocate(M * topk, E, block_m, M, DEVICE)
+    res.sorted_token_ids.fill_(777), res.sorted_weights.fill_(9.0), res.sorted_expert_ids.fill_(55)
+    skewed = torch.full((M, topk), 7, dtype=torch.int32)
+    skewed[:, 1] = torch.arange(M) % 3
+    uniform = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]).int()
+    for ids in (skewed, uniform):
+        ids, w = ids.to(DEVICE), torch.rand(M, topk, generator=gen).to(DEVICE)
+        launch_moe_sorting(ids, w, E, None, res, None)
+        fresh = check_sorting(ids, w, E, block_m)
+        for name in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_sorted_tiles"):
+            assert torch.equal(getattr(res, name), getattr(fresh, name)), name
 
 
 def test_large_expert_count():
