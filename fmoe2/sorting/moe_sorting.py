@@ -183,11 +183,10 @@ def _moe_sorting_kernel(
             return
     scan = tl.arange(0, SCAN_BLOCK)
 
-    # Pass 1: entries of experts < e (A), of e itself (all, and in steps before this part's), in total.
+    # Pass 1: entries of experts < e (A) and of e itself (all, and in steps before this part's).
     below = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
     mine = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
     mine_before_part = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
-    kept = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
     num_steps = tl.cdiv(num_entries, SCAN_BLOCK)
     steps_per_part = tl.cdiv(num_steps, num_parts)
     part_first_step = part * steps_per_part
@@ -196,12 +195,10 @@ def _moe_sorting_kernel(
         offs = step * SCAN_BLOCK + scan
         ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
                                          num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
-        kept += keep.to(tl.int32)
         below += (keep & (ids < expert)).to(tl.int32)
         hit = keep & (ids == expert)
         mine += hit.to(tl.int32)
         mine_before_part += (hit & (step < part_first_step)).to(tl.int32)
-    num_kept = tl.sum(kept, axis=0)
     num_below = tl.sum(below, axis=0)
     my_count = tl.sum(mine, axis=0)
     my_count_before_part = tl.sum(mine_before_part, axis=0)
@@ -210,9 +207,10 @@ def _moe_sorting_kernel(
     my_tiles = tl.cdiv(my_count, BLOCK_M)
     next_first_tile = (num_below + my_count) // BLOCK_M + tl.minimum(expert + 1, num_below + my_count)
 
-    # Program 0 writes the counters and fills the unused tail of the worst-case buffers.
-    if pid == 0:
-        total_tiles = num_kept // BLOCK_M + tl.minimum(NUM_EXPERTS, num_kept)
+    # The last expert's range ends where all ranges end: its first program writes the counters and
+    # fills the unused tail of the worst-case buffers.
+    if (expert == NUM_EXPERTS - 1) & (part == 0):
+        total_tiles = next_first_tile
         total_padded = total_tiles * BLOCK_M
         tl.store(num_tokens_post_padded_ptr, total_padded)
         tl.store(num_sorted_tiles_ptr, total_tiles)
