@@ -30,11 +30,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .gemm.config import fit_lora_config, get_config
-from .gemm.fused_moe import MoEProblem, fused_kernel_launch, grid_tiles, stage2_kernel_launch
+from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_delta_launch,
+                             stage2_kernel_launch)
 from .gemm.fused_moe_kernel import _fused_moe_kernel
 from .gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
+from .gemm.lora_kernel import _lora_delta_kernel
 from .shapes import SHAPES
 from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sorting_kernel_launch
 
@@ -55,10 +57,14 @@ def _signature(fn, args: dict, constexprs: dict, backend: str):
     """Signature and attributes as Triton's JIT derives them from real arguments."""
     signature, attrs, constexprs = {}, {}, dict(constexprs)
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
-        if name in constexprs:
+        if name in constexprs or (param.is_constexpr and name not in args):
             signature[name] = "constexpr"
+            constexprs.setdefault(name, param.default)  # a constexpr left to its default
             continue
-        v = args[name]
+        v = args[name] if name in args else param.default  # arguments left to their defaults
+        if v is None:  # the JIT makes None a constexpr
+            signature[name], constexprs[name] = "constexpr", None
+            continue
         if isinstance(v, int) and not isinstance(v, bool) and v == 1 and not param.do_not_specialize:
             signature[name], constexprs[name] = "constexpr", 1  # the JIT specialises ints equal to 1
             continue
@@ -174,8 +180,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
     and ``fused_moe_stage1`` and ``moe_stage2`` too when the picked config uses the two-stage path.
-    With ``lora_rank`` > 0 the fused kernel carries ``num_loras`` adapters of that rank
-    (``fused_moe_lora``; LoRA always runs the fused path).
+    With ``lora_rank`` > 0 the kernels carry ``num_loras`` adapters of that rank: ``fused_moe_lora``
+    (the fused path), and where the picked config is two-stage, ``lora_delta13``,
+    ``fused_moe_stage1_lora``, ``lora_delta2`` and ``moe_stage2`` instead of the plain stage 1.
     """
     target = TARGETS[target_name]
     backend = target.backend
@@ -205,23 +212,30 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, fused_config, backend)
     reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
                     **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+    suffix = ""
     if lora_rank:
         problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
         problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
+        common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
+        suffix = "_lora"
         lora_config = fit_lora_config(fused_config)
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta")
         grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, lora_config, backend)
-        reports.append({"kernel": "fused_moe_lora", **common, "lora": {"rank": lora_rank, "num_loras": num_loras},
-                        "config": lora_config.to_dict(),
+        reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
                         **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
-        return reports
     if config.path == "two_stage":
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta")
-        y = torch.empty(grid_tiles(problem, sorting) * config.BLOCK_M, inter, dtype=dtype, **meta)
-        grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, config, backend, y)
-        reports.append({"kernel": "fused_moe_stage1", **common, "config": config.to_dict(),
+        workspace = TwoStageWorkspace.allocate(problem, sorting)
+        if problem.lora is not None:
+            for down, kernel in ((False, "lora_delta13"), (True, "lora_delta2")):
+                grid, args, constexprs, options = lora_delta_launch(problem, sorting, workspace, x, down)
+                reports.append({"kernel": kernel, **common, "config": config.to_dict(),
+                                **_compile(_lora_delta_kernel, grid, args, constexprs, options, target)})
+        grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, config, backend,
+                                                              workspace)
+        reports.append({"kernel": "fused_moe_stage1" + suffix, **common, "config": config.to_dict(),
                         **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
-        grid, args, constexprs, options = stage2_kernel_launch(problem, x, sorting, y, config, backend)
+        grid, args, constexprs, options = stage2_kernel_launch(problem, x, sorting, workspace, config, backend)
         reports.append({"kernel": "moe_stage2", **common, "config": config.to_dict(),
                         **_compile(_grouped_gemm_kernel, grid, args, constexprs, options, target)})
     return reports

@@ -125,7 +125,24 @@ def test_lora_bf16(shape, M, rank):
     assert err <= REL_TOL[torch.bfloat16], f"{shape} M={M} rank={rank}: relative error {err:.3e}"
 
 
-def test_lora_bf16_odd_sizes_some_experts_and_baseline():
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("M", [16, 1024])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_lora_bf16_each_path(shape, M, path):
+    from helpers import make_lora, make_token_lora_ids
+
+    E, H, I, topk = SHAPES[shape]
+    x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=M + 7)
+    lora = fmoe2.prepare_lora(make_lora(4, E, H, I, 16, torch.bfloat16, device="cuda", seed=M + 1))
+    lora_ids = make_token_lora_ids(M, 4, device="cuda", seed=M + 1)
+    out = fused_moe(x, prepare_weights(w1, w2), None, tw, ti, lora=lora, token_lora_ids=lora_ids, path=path,
+                    out=poisoned(M, H, torch.bfloat16, "cuda"))
+    err = rel_error(out, reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids))
+    assert torch.isfinite(out).all() and err <= REL_TOL[torch.bfloat16], f"{shape} M={M} {path}: {err:.3e}"
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_lora_bf16_odd_sizes_some_experts_and_baseline(path):
     from fmoe2.bench.vllm_style import GroupedGemmConfig
     from fmoe2.bench.vllm_style_lora import prepare_baseline_lora, vllm_style_fused_experts_lora
     from helpers import make_lora, make_token_lora_ids
@@ -135,14 +152,15 @@ def test_lora_bf16_odd_sizes_some_experts_and_baseline():
     lora = make_lora(3, E, H, I, 16, torch.bfloat16, device="cuda", experts=[0, 3, 6])
     lora_ids = make_token_lora_ids(M, 3, device="cuda")
     ref = reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
-    out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+    out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids, path=path)
     assert rel_error(out, ref) <= REL_TOL[torch.bfloat16]
     cfg = GroupedGemmConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)
     base = vllm_style_fused_experts_lora(x, w1, w2, tw, ti, prepare_baseline_lora(lora), lora_ids, cfg, cfg)
     assert rel_error(base, ref) <= REL_TOL[torch.bfloat16]
 
 
-def test_lora_cuda_graph_follows_new_adapter_ids():
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_lora_cuda_graph_follows_new_adapter_ids(path):
     from helpers import make_lora, make_token_lora_ids
 
     E, H, I, topk = SHAPES["qwen3-30b-a3b"]
@@ -154,7 +172,7 @@ def test_lora_cuda_graph_follows_new_adapter_ids():
     out = torch.empty_like(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids)
+        fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids, path=path)
     for seed in (1, 2):
         lora_ids.copy_(make_token_lora_ids(M, 4, device="cuda", seed=seed))
         out.fill_(float("nan"))

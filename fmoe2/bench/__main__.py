@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                    help="multi-LoRA benchmark (default M 1,16,128,1024; results under <out-dir>/lora)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank with --lora")
     p.add_argument("--num-loras", type=int, default=4, help="adapters with --lora")
-    p.add_argument("--search", action="store_true", help="with --lora: search fmoe2's fused config for LoRA")
+    p.add_argument("--search", action="store_true", help="with --lora: search fmoe2's config (either path) for LoRA")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA or ROCm GPU")

@@ -1,5 +1,6 @@
 """Public ``fused_moe``: argument checks, config pick, then the launches: sort + fused kernel
-(fused path, zero workspace) or sort + stage 1 + stage 2 (two-stage path)."""
+(fused path, zero workspace) or sort + stage 1 + stage 2 (two-stage path; with adapters, a LoRA
+delta kernel runs before stage 1 and another before stage 2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
+from .lora_kernel import _lora_delta_kernel
 
 
 @dataclass
@@ -34,7 +36,7 @@ class MoEProblem:
     token_lora_ids: Optional[torch.Tensor] = None  # [M] int32
 
 
-def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path):
+def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype):
     """Checks the LoRA arguments of :func:`fused_moe`; returns ``lora`` (or None)."""
     if lora is None and token_lora_ids is None:
         return None
@@ -50,8 +52,6 @@ def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path):
                          f"but the base weights have E={E}, H={H}, I={inter}")
     check_tensor("token_lora_ids", token_lora_ids, dtypes=(torch.int32,), shape=(M,),
                  shape_doc=f"[M] = [{M}] (adapter per token, -1 for none)")
-    if path == "two_stage":
-        raise ValueError("LoRA runs on the fused path only: use path='auto' or 'fused' with lora")
     if lora.device != token_lora_ids.device:
         raise ValueError(f"lora is on {lora.device} but token_lora_ids is on {token_lora_ids.device}")
     return lora
@@ -111,7 +111,7 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         raise ValueError(f"path must be one of {('auto',) + PATHS}, got {path!r}")
     if config is not None and not isinstance(config, FusedMoEConfig):
         raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
-    lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype, path)
+    lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype)
     check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
                       topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids)
     # Every check has passed: only now convert unprepared adapters (allocates).
@@ -126,12 +126,31 @@ def grid_tiles(problem: MoEProblem, sorting: MoESortingResult) -> int:
     return max_busy_tiles(problem.x.shape[0] * problem.topk, problem.num_experts, sorting.block_m)
 
 
+@dataclass
+class TwoStageWorkspace:
+    """Buffers of the two-stage path, in sorted-row order (``grid_tiles * BLOCK_M`` rows)."""
+
+    y: torch.Tensor  # [rows, I] input dtype: activated intermediate, routing weight applied
+    lora_delta13: Optional[torch.Tensor] = None  # [rows, 2I] input dtype: gate then up LoRA deltas (adapters only)
+
+    @classmethod
+    def allocate(cls, problem: MoEProblem, sorting: MoESortingResult) -> "TwoStageWorkspace":
+        rows = grid_tiles(problem, sorting) * sorting.block_m
+        x = problem.x
+        ws = cls(y=torch.empty(rows, problem.intermediate_size, dtype=x.dtype, device=x.device))
+        if problem.lora is not None:
+            ws.lora_delta13 = torch.empty(rows, 2 * problem.intermediate_size, dtype=x.dtype, device=x.device)
+        return ws
+
+
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
-                        config: FusedMoEConfig, backend: str, y: Optional[torch.Tensor] = None):
+                        config: FusedMoEConfig, backend: str, workspace: Optional[TwoStageWorkspace] = None):
     """Grid, arguments and options of the fused kernel (shared by the launcher and ``fmoe2.codegen``).
 
-    With ``y`` it is stage 1 of the two-stage path: it stores the intermediate into ``y``.
+    With ``workspace`` it is stage 1 of the two-stage path: it stores the intermediate into
+    ``workspace.y`` (and, with adapters, adds the gate/up deltas of ``workspace.lora_delta13``).
     """
+    y = workspace.y if workspace is not None else None
     num_grid_tiles = grid_tiles(problem, sorting)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
     args = dict(
@@ -144,6 +163,8 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1), stride_out_m=out.stride(0),
         stride_y_m=y.stride(0) if y is not None else 0,
         **_lora_args(problem, out),
+        lora_delta13_ptr=workspace.lora_delta13 if workspace is not None and workspace.lora_delta13 is not None
+        else out,
     )
     constexprs = dict(
         ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
@@ -198,9 +219,59 @@ def _lora_args(problem: MoEProblem, out: torch.Tensor) -> dict:
     return args
 
 
-def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, y: torch.Tensor,
-                         config: FusedMoEConfig, backend: str):
+# _lora_delta_kernel launch, from a sweep on the H100 (M=1024, the three benchmark shapes, BLOCK_N
+# and BLOCK_K in 64/128/256, 4 or 8 warps, 1-4x the programs per tile): 128/128 with 4 warps was best
+# or within 20% of best everywhere (gate/up deltas: Qwen3 79 vs 107 us at 64/64; Mixtral 101 vs 218).
+LORA_DELTA_BLOCK_K = 128  # shrink step
+LORA_DELTA_BLOCK_N = 128  # expand columns per step
+LORA_DELTA_OPTIONS = {"num_warps": 4, "num_stages": 2}
+
+
+def lora_delta_splits(num_grid_tiles: int, num_columns: int, device) -> int:
+    """Programs per tile of ``_lora_delta_kernel``: about one program per multiprocessor in all, at
+    most one per BLOCK_N columns. Each split repeats the tile's shrink, so more cost more: on the
+    H100, doubling the splits made the Mixtral M=1024 deltas 1.4-1.9x slower. Off-GPU (the
+    interpreter) up to 8 programs, so small tests split too."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        target = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 8
+    return max(1, min(triton.cdiv(num_columns, LORA_DELTA_BLOCK_N), triton.cdiv(target, num_grid_tiles)))
+
+
+def lora_delta_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace,
+                      out: torch.Tensor, down: bool, num_splits: Optional[int] = None):
+    """Two-stage path with adapters: the gate/up deltas into ``workspace.lora_delta13`` (before stage 1)
+    or, with ``down``, the down deltas added into ``out`` (after stage 1; see ``fmoe2/gemm/lora_kernel.py``)."""
+    lora = problem.lora
+    num_grid_tiles = grid_tiles(problem, sorting)
+    H, inter = problem.hidden_size, problem.intermediate_size
+    if down:
+        a, la, lb, dst, K, N = workspace.y, lora.a2, lora.b2, out, inter, H
+    else:
+        a, la, lb, dst, K, N = problem.x, lora.a13, lora.b13, workspace.lora_delta13, H, inter
+    if num_splits is None:
+        num_splits = lora_delta_splits(num_grid_tiles, N, a.device)
+    args = dict(
+        a_ptr=a, token_lora_ids_ptr=problem.token_lora_ids, lora_a_ptr=la, lora_b_ptr=lb,
+        lora_scaling_ptr=lora.scaling, dst_ptr=dst, sorted_token_ids_ptr=sorting.sorted_token_ids,
+        sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
+        num_tokens=problem.x.shape[0], K=K, N=N, num_loras=lora.num_loras, stride_a_m=a.stride(0),
+        stride_dst_m=dst.stride(0), stride_la_l=la.stride(0), stride_la_e=la.stride(1), stride_la_r=la.stride(2),
+        stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1), stride_lb_r=lb.stride(2),
+    )
+    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_DELTA_BLOCK_K, BLOCK_N=LORA_DELTA_BLOCK_N,
+                      **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
+    # 128-row tiles: 4 warps spilled about 400 instructions on sm_90 (8 warps: see codegen).
+    options = dict(LORA_DELTA_OPTIONS, num_warps=8 if sorting.block_m >= 128 else LORA_DELTA_OPTIONS["num_warps"])
+    return (num_grid_tiles, num_splits), args, constexprs, options
+
+
+def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult,
+                         workspace: TwoStageWorkspace, config: FusedMoEConfig, backend: str):
     """Two-stage path, stage 2: ``out[token] += y[sorted row] @ w2[e]^T`` (grouped GEMM, atomics over top-k)."""
+    y = workspace.y
     num_grid_tiles = grid_tiles(problem, sorting)
     H = problem.hidden_size
     grid = (num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
@@ -252,11 +323,13 @@ def fused_moe(
             (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
             the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
             atomic adds per output element; workspace ``y`` of at most
-            ``(M*topk // BLOCK_M + min(E, M*topk)) * BLOCK_M x I`` elements). With ``lora``, "auto"
-            means "fused" and "two_stage" is refused.
+            ``rows = (M*topk // BLOCK_M + min(E, M*topk)) * BLOCK_M`` x I elements, and with
+            ``lora`` also ``rows x 2I`` for the gate/up deltas, both in the input dtype; adapters add
+            two launches).
         lora: optional :class:`fmoe2.MoELoRA` adapters (better: :func:`fmoe2.prepare_lora` of
             them, done once; an unprepared one is converted on every call). Their deltas are
-            computed inside the fused kernel (see ``fmoe2/gemm/lora.py``).
+            computed inside the fused kernel, or on the two-stage path by a delta kernel before
+            each stage (see ``fmoe2/gemm/lora.py`` and ``fmoe2/gemm/lora_kernel.py``).
         token_lora_ids: int32 ``[M]``, the adapter of each token, ``-1`` (or any id outside
             ``[0, max_loras)``) for none; required with ``lora``.
 
@@ -270,8 +343,6 @@ def fused_moe(
     """
     problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
                                    path, lora, token_lora_ids)
-    if problem.lora is not None:
-        path = "fused"
     M, H = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)
@@ -282,7 +353,7 @@ def fused_moe(
                             device=hidden_states.device, path=path)
     else:  # a caller's config is fitted like a picked one (clamps, atomic-add precision cap)
         config = fit_config(config, H, problem.intermediate_size, problem.topk, hidden_states.dtype, path)
-    if problem.lora is not None:
+    if problem.lora is not None and config.path == "fused":
         config = fit_lora_config(config)
     with on_device(hidden_states):
         _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config)
@@ -294,12 +365,17 @@ def _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, exp
     backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
     launch_moe_sorting(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out)
-    y = None
+    workspace = None
     if config.path == "two_stage":
-        y = torch.empty(grid_tiles(problem, sorting) * config.BLOCK_M, problem.intermediate_size,
-                        dtype=hidden_states.dtype, device=hidden_states.device)
-    grid, args, constexprs, options = fused_kernel_launch(problem, out, sorting, activation, config, backend, y)
+        workspace = TwoStageWorkspace.allocate(problem, sorting)
+        if problem.lora is not None:
+            grid, args, constexprs, options = lora_delta_launch(problem, sorting, workspace, out, down=False)
+            _lora_delta_kernel[grid](**args, **constexprs, **options)
+    grid, args, constexprs, options = fused_kernel_launch(problem, out, sorting, activation, config, backend, workspace)
     _fused_moe_kernel[grid](**args, **constexprs, **options)
-    if y is not None:
-        grid, args, constexprs, options = stage2_kernel_launch(problem, out, sorting, y, config, backend)
+    if workspace is not None:
+        if problem.lora is not None:
+            grid, args, constexprs, options = lora_delta_launch(problem, sorting, workspace, out, down=True)
+            _lora_delta_kernel[grid](**args, **constexprs, **options)
+        grid, args, constexprs, options = stage2_kernel_launch(problem, out, sorting, workspace, config, backend)
         _grouped_gemm_kernel[grid](**args, **constexprs, **options)

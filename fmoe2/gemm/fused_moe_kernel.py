@@ -15,9 +15,11 @@ while they are added to); a larger GROUP_M lets tiles of one expert share weight
 
 With ``STORE_Y`` the kernel is stage 1 of the two-stage path: it stores ``y`` (routing weight
 applied) in sorted row order and skips the down GEMM, which ``grouped_gemm_kernel`` then does.
+With ``STORE_Y`` and ``HAS_LORA`` its only LoRA work is adding the gate/up deltas that
+``_lora_delta_kernel`` wrote (``fmoe2/gemm/lora_kernel.py``, which says why).
 
-With ``HAS_LORA`` (multi-LoRA, layouts in ``fmoe2/gemm/lora.py``) tiles stay per expert, so the
-base weights are read exactly as without adapters whatever the mix of adapters. The adapters a
+With ``HAS_LORA`` on the fused path (multi-LoRA, layouts in ``fmoe2/gemm/lora.py``) tiles stay per
+expert, so the base weights are read exactly as without adapters whatever the mix of adapters. The adapters a
 tile's rows use (token_lora_ids, -1 = none) are numbered densely into slots; LORA_SLOTS slots
 (one group) are stacked into one operand of rank ``LORA_SLOTS * R``, so a tile that mixes up to
 LORA_SLOTS adapters costs one product per step, not one per adapter:
@@ -40,6 +42,8 @@ branch at run time to the plain loops. ``HAS_LORA=False`` compiles the plain ker
 import triton
 import triton.language as tl
 
+from .lora_kernel import _down_shrink, _expand_gate_up, _own_rows, _shrink_step, _split_gate_up, _stack, _tile_slots
+
 
 @triton.jit
 def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
@@ -53,92 +57,6 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = gate * tl.sigmoid(2.0 * z)
     return act * up
-
-
-@triton.jit
-def _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras, LORA_IDS: tl.constexpr):
-    """Which adapters the tile's rows use, numbered densely in id order (their slots).
-
-    Returns row_lora [BLOCK_M] (adapter id, -1: none, padding or out of range), row_slot
-    [BLOCK_M] (-1 for none), present [LORA_IDS] (0/1 per adapter id), slot_of [LORA_IDS]
-    (the slot of each present id) and num_present (slots in use).
-    """
-    row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
-    row_lora = tl.where((row_lora >= 0) & (row_lora < num_loras), row_lora, -1)
-    ids = tl.arange(0, LORA_IDS)
-    uses = row_lora[:, None] == ids[None, :]
-    present = tl.max(uses.to(tl.int32), axis=0)
-    slot_of = tl.sum(tl.where(ids[None, :] < ids[:, None], present[None, :], 0), axis=1)
-    row_slot = tl.where(row_lora >= 0, tl.sum(tl.where(uses, slot_of[None, :], 0), axis=1), -1)
-    return row_lora, row_slot, present, slot_of, tl.sum(present, axis=0)
-
-
-@triton.jit
-def _stack(base, stride_l, stride_row, present, slot_of, first_slot, LORA_IDS: tl.constexpr,
-           LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr):
-    """Rows of a stacked adapter operand: slots [first_slot, first_slot + LORA_SLOTS), WIDTH rows each.
-
-    With PARTS=2 (gate and up) the stack is [part 0 of every slot, part 1 of every slot], part p
-    of a slot being its rows [p*WIDTH, (p+1)*WIDTH). Returns per stacked row
-    [PARTS * LORA_SLOTS * WIDTH]: its pointer ``base + adapter * stride_l + row * stride_row``, its
-    slot, and whether the slot is in use (rows of unused slots are never loaded).
-    """
-    offs = tl.arange(0, PARTS * LORA_SLOTS * WIDTH)
-    in_part = offs % (LORA_SLOTS * WIDTH)
-    slot = first_slot + in_part // WIDTH
-    row = (offs // (LORA_SLOTS * WIDTH)) * WIDTH + offs % WIDTH
-    ids = tl.arange(0, LORA_IDS)
-    hit = (present[None, :] > 0) & (slot_of[None, :] == slot[:, None])
-    adapter = tl.sum(tl.where(hit, ids[None, :], 0), axis=1).to(tl.int64)
-    used = tl.max(hit.to(tl.int32), axis=1) > 0
-    return base + adapter * stride_l + row * stride_row, slot, used
-
-
-@triton.jit
-def _own_rows(stacked, row_slot, stack_slot, row_scale, dtype):
-    """A stacked product [BLOCK_M, STACK] -> each row keeps its own slot's columns, scaled, in ``dtype``.
-
-    Column c of a stacked product is row @ (adapter of slot stack_slot[c]); only the row's own
-    adapter's columns are its LoRA terms, the rest are zeroed.
-    """
-    mine = tl.where(row_slot[:, None] == stack_slot[None, :], stacked, tl.zeros_like(stacked))
-    return (mine * row_scale[:, None]).to(dtype)
-
-
-@triton.jit
-def _expand_gate_up(gate, up, shrink_gate, shrink_up, b13_rows, b13_up, b13_used, offs_n, n_valid):
-    """gate += shrink_gate @ B13t[stack, slice], up += shrink_up @ B13t[stack + R, slice].
-
-    ``shrink_*`` [BLOCK_M, STACK] hold each row's own (scaled) shrinks; ``b13_rows`` [STACK] point at
-    the gate rows of B13t, ``b13_up`` is the offset from a gate row to its up row.
-    """
-    mask = b13_used[:, None] & n_valid[None, :]
-    lbg = tl.load(b13_rows[:, None] + offs_n[None, :], mask=mask, other=0.0)
-    gate = tl.dot(shrink_gate, lbg, gate, input_precision="ieee")
-    lbu = tl.load(b13_rows[:, None] + b13_up + offs_n[None, :], mask=mask, other=0.0)
-    up = tl.dot(shrink_up, lbu, up, input_precision="ieee")
-    return gate, up
-
-
-@triton.jit
-def _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, stack_slot, row_scale):
-    """Stacked down shrink of one slice, y @ A2[stack, slice]^T [BLOCK_M, STACK], each row's own slot kept."""
-    la2 = tl.load(la2_rows[:, None] + offs_n[None, :], mask=la2_used[:, None] & n_valid[None, :], other=0.0)
-    stacked = tl.dot(y, tl.trans(la2), input_precision="ieee")
-    return _own_rows(stacked, row_slot, stack_slot, row_scale, y.dtype)
-
-
-@triton.jit
-def _shrink_step(a, la_rows, la_used, k, k_valid, shrink):
-    """One K step of the stacked LoRA shrink: shrink += a @ A[la_rows, k]^T (``a``: the x tile already loaded)."""
-    la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
-    return tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
-
-
-@triton.jit
-def _split_gate_up(shrink, BLOCK_M: tl.constexpr, STACK: tl.constexpr):
-    """[BLOCK_M, 2*STACK] (gate stack, then up stack) -> the two [BLOCK_M, STACK] halves."""
-    return tl.split(tl.permute(tl.reshape(shrink, [BLOCK_M, 2, STACK]), (0, 2, 1)))
 
 
 @triton.jit
@@ -225,6 +143,7 @@ def _fused_moe_kernel(
     lora_a2_ptr,  # [L, E, LORA_RANK, I_pad]
     lora_b2_ptr,  # [L, E, LORA_RANK, H_pad]: down B^T
     lora_scaling_ptr,  # [L] float32
+    lora_delta13_ptr,  # [num_grid_tiles * BLOCK_M, 2*I] (STORE_Y with HAS_LORA): gate then up LoRA deltas per row
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
     sorted_expert_ids_ptr,  # [max_num_tiles] int32
@@ -310,7 +229,17 @@ def _fused_moe_kernel(
         row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
     else:
         num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
-    if num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
+    if STORE_Y:
+        # Two-stage path: LoRA deltas come ready from _lora_delta_kernel (see lora_kernel.py).
+        gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
+                               offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
+        if HAS_LORA:
+            if num_present > 0:  # add the deltas _lora_delta_kernel computed (rows without an adapter have none)
+                delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * (2 * I)
+                has = (row_lora >= 0)[:, None] & n_valid[None, :]
+                gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
+                up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
+    elif num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
     else:

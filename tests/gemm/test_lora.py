@@ -1,6 +1,6 @@
 """fused_moe with multi-LoRA against the float64 reference (CPU interpreter in fp16/fp32, or the
-GPU): mixed adapters, tokens without one, every rank, adapters on some experts only, odd sizes,
-layouts, and the argument checks."""
+GPU), on the fused and the two-stage path: mixed adapters, tokens without one, every rank,
+adapters on some experts only, odd sizes, layouts, and the argument checks."""
 import importlib
 
 import pytest
@@ -12,17 +12,20 @@ from fmoe2 import FusedMoEConfig, MoELoRA, fused_moe, prepare_lora, prepare_weig
 from helpers import DEVICE, assert_matches_reference, make_lora, make_problem, make_token_lora_ids, poisoned, rel_error
 
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
+SMALL_TWO_STAGE = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="two_stage", S2_BLOCK_N=16,
+                                 S2_BLOCK_K=16)
+CONFIGS = {"fused": SMALL, "two_stage": SMALL_TWO_STAGE}
 
 
 def run_and_check(M, E, H, I, topk, rank, dtype, *, num_loras=3, lora_ids=None, experts=None, prepared=True,
-                  prepared_lora=True, config=SMALL, seed=0):
+                  prepared_lora=True, config=SMALL, seed=0, path="auto"):
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=seed)
     lora = make_lora(num_loras, E, H, I, rank, dtype, seed=seed, experts=experts)
     if lora_ids is None:
         lora_ids = make_token_lora_ids(M, num_loras, seed=seed)
     weights = (prepare_weights(w1, w2), None) if prepared else (w1, w2)
     out = fused_moe(x, *weights, tw, ti, lora=prepare_lora(lora) if prepared_lora else lora,
-                    token_lora_ids=lora_ids, config=config, out=poisoned(M, H, dtype))
+                    token_lora_ids=lora_ids, config=config, out=poisoned(M, H, dtype), path=path)
     err = assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
     # The deltas are O(1): leaving any of them out cannot pass the check above.
     base = fmoe2.fused_moe_reference(x.double(), w1.double(), w2.double(), tw, ti)
@@ -43,40 +46,56 @@ def test_mixed_adapters_match_reference(M, E, H, I, topk, dtype, prepared):
     run_and_check(M, E, H, I, topk, 16, dtype, prepared=prepared, seed=M)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("M,E,H,I,topk,prepared", [
+    (1, 4, 64, 32, 2, True),
+    (13, 5, 40, 24, 2, False),
+    (37, 3, 24, 56, 3, True),
+])
+def test_two_stage_mixed_adapters_match_reference(M, E, H, I, topk, prepared, dtype):
+    # LoRA deltas by _lora_delta_kernel: gate/up into a workspace before stage 1, down into out before stage 2.
+    run_and_check(M, E, H, I, topk, 16, dtype, prepared=prepared, config=SMALL_TWO_STAGE, seed=M)
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
 @pytest.mark.parametrize("rank", [8, 16, 32, 64, 5])
-def test_every_rank(rank):
-    run_and_check(11, 4, 48, 40, 2, rank, torch.float16, seed=rank)
+def test_every_rank(rank, path):
+    run_and_check(11, 4, 48, 40, 2, rank, torch.float16, config=CONFIGS[path], seed=rank)
 
 
-def test_one_adapter_for_all_tokens_and_unprepared_lora():
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_one_adapter_for_all_tokens_and_unprepared_lora(path):
     M = 19
     run_and_check(M, 4, 40, 32, 2, 16, torch.float16, lora_ids=torch.full((M,), 2, dtype=torch.int32, device=DEVICE),
-                  prepared_lora=False)
+                  prepared_lora=False, config=CONFIGS[path])
 
 
-def test_no_token_has_an_adapter_gives_the_plain_result():
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_no_token_has_an_adapter_gives_the_plain_result(path):
     M, E, H, I, topk = 17, 4, 40, 32, 2
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=3)
     lora = prepare_lora(make_lora(2, E, H, I, 16, torch.float16))
     # -1 and ids outside [0, max_loras) both mean "no adapter".
     lora_ids = torch.tensor([-1, 2, 7, -5] * 4 + [-1], dtype=torch.int32, device=DEVICE)
-    out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids, config=SMALL)
-    plain = fused_moe(x, w1, w2, tw, ti, config=SMALL)
+    out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids, config=CONFIGS[path])
+    plain = fused_moe(x, w1, w2, tw, ti, config=CONFIGS[path])
     if DEVICE == "cpu":  # the interpreter adds in a fixed order: bitwise equal
         torch.testing.assert_close(out, plain, rtol=0, atol=0)
     else:  # GPU atomics add in a run-dependent order: equal to rounding
         assert rel_error(out, plain) < 2e-3
 
 
-def test_adapters_on_some_experts_only():
-    run_and_check(23, 6, 40, 24, 2, 16, torch.float16, experts=[1, 4], seed=4)
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_adapters_on_some_experts_only(path):
+    run_and_check(23, 6, 40, 24, 2, 16, torch.float16, experts=[1, 4], config=CONFIGS[path], seed=4)
 
 
-@pytest.mark.parametrize("num_loras,rank,dtype,prepared", [
-    (8, 16, torch.float16, True), (16, 8, torch.float16, True), (5, 64, torch.float16, True),
-    (3, 32, torch.float16, True), (2, 16, torch.float16, True), (8, 16, torch.float32, False),
-    (5, 64, torch.float32, False)])
-def test_many_adapters_one_expert_tile(num_loras, rank, dtype, prepared):
+@pytest.mark.parametrize("num_loras,rank,dtype,prepared,path", [
+    (8, 16, torch.float16, True, "fused"), (16, 8, torch.float16, True, "fused"), (5, 64, torch.float16, True, "fused"),
+    (3, 32, torch.float16, True, "fused"), (2, 16, torch.float16, True, "fused"), (8, 16, torch.float32, False, "fused"),
+    (5, 64, torch.float32, False, "fused"), (8, 16, torch.float16, True, "two_stage"),
+    (16, 8, torch.float32, False, "two_stage"), (5, 64, torch.float16, True, "two_stage")])
+def test_many_adapters_one_expert_tile(num_loras, rank, dtype, prepared, path):
     # All tokens on one expert, every tile mixes many adapters: with more adapters in a tile than
     # the kernel stacks into one operand (LORA_SLOTS), further slot groups take extra passes.
     M = 40
@@ -84,14 +103,14 @@ def test_many_adapters_one_expert_tile(num_loras, rank, dtype, prepared):
     lora_ids = (torch.arange(M, dtype=torch.int32) % (num_loras + 1) - 1).to(DEVICE)  # -1, 0..L-1
     x, w1, w2, tw, ti = make_problem(M, 2, 32, 40, 1, dtype, ids=ids)
     lora = make_lora(num_loras, 2, 32, 40, rank, dtype)
-    cfg = FusedMoEConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_H=32)
+    cfg = FusedMoEConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_H=32, path=path, S2_BLOCK_N=16, S2_BLOCK_K=16)
     weights = (prepare_weights(w1, w2), None) if prepared else (w1, w2)
     out = fused_moe(x, *weights, tw, ti, lora=lora, token_lora_ids=lora_ids, config=cfg, out=poisoned(M, 32, dtype))
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_one_slot_tile_mixing_adapters(activation):
+@pytest.mark.parametrize("activation,path", [("silu", "fused"), ("gelu_tanh", "fused"), ("silu", "two_stage")])
+def test_one_slot_tile_mixing_adapters(activation, path):
     # Fewer routed rows than experts gives one slot (LORA_SLOTS=1), yet a tile may still mix
     # adapters: here 3 tokens with adapters 0, 1, 2 all on expert 0 of 8 take two further passes.
     M, E, H, I = 3, 8, 40, 24
@@ -101,9 +120,34 @@ def test_one_slot_tile_mixing_adapters(activation):
     lora = make_lora(3, E, H, I, 16, torch.float16)
     fm = importlib.import_module("fmoe2.gemm.fused_moe")
     assert fm.lora_constexprs(prepare_lora(lora), num_rows=M, num_experts=E)["LORA_SLOTS"] == 1
-    out = fused_moe(x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids, config=SMALL,
-                    out=poisoned(M, H, torch.float16))
+    out = fused_moe(x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids,
+                    config=CONFIGS[path], out=poisoned(M, H, torch.float16))
     assert_matches_reference(out, x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids)
+
+
+def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch):
+    # Every workspace row that stage 1 and stage 2 read is written first (delta rows of tokens
+    # without an adapter are never read): NaN-filled workspaces must give the same result.
+    fm = importlib.import_module("fmoe2.gemm.fused_moe")
+    real = fm.TwoStageWorkspace.allocate.__func__
+
+    def allocate_poisoned(cls, problem, sorting):
+        ws = real(cls, problem, sorting)
+        for t in (ws.y, ws.lora_delta13):
+            t.fill_(float("nan"))
+        return ws
+
+    monkeypatch.setattr(fm.TwoStageWorkspace, "allocate", classmethod(allocate_poisoned))
+    run_and_check(37, 3, 24, 56, 3, 16, torch.float16, config=SMALL_TWO_STAGE, seed=5)
+
+
+def test_two_stage_lora_deltas_split_columns_over_programs():
+    # Few tiles: each tile's delta columns are shared by several programs (each repeats the shrink).
+    fm = importlib.import_module("fmoe2.gemm.fused_moe")
+    assert fm.LORA_DELTA_BLOCK_N == 128
+    assert fm.lora_delta_splits(2, 600, "cpu") == 4 and fm.lora_delta_splits(2, 160, "cpu") == 2
+    assert fm.lora_delta_splits(64, 600, "cpu") == 1
+    run_and_check(5, 2, 160, 600, 1, 16, torch.float16, config=SMALL_TWO_STAGE, seed=6)
 
 
 def test_lora_slots_stack_adapters_up_to_the_stack_width():
@@ -192,8 +236,6 @@ def test_fused_moe_lora_argument_checks():
         fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids.long())
     with pytest.raises(ValueError, match=r"token_lora_ids must have shape \[M\]"):
         fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids[:3])
-    with pytest.raises(ValueError, match="fused path only"):
-        fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids, path="two_stage")
     with pytest.raises(TypeError, match="lora weights have dtype"):
         fused_moe(x, w1, w2, tw, ti, lora=MoELoRA(**_lora_tensors(dtype=torch.float32)), token_lora_ids=ids)
     with pytest.raises(ValueError, match="lora is for E=4, H=32, I=16"):
@@ -202,7 +244,14 @@ def test_fused_moe_lora_argument_checks():
         fused_moe(x, w1, w2, tw, ti, lora=object(), token_lora_ids=ids)
 
 
-def test_auto_path_with_lora_runs_fused_even_where_two_stage_is_picked():
+def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
     M, E, H, I, topk = 40, 2, 32, 24, 2  # 40 tokens per expert: the defaults pick two-stage
     assert fmoe2.get_config(M, E, H, I, topk, torch.float16, backend="cuda").path == "two_stage"
+    fm = importlib.import_module("fmoe2.gemm.fused_moe")
+    launches = []
+    real = fm.lora_delta_launch
+    monkeypatch.setattr(fm, "lora_delta_launch", lambda *a, **k: launches.append(k["down"]) or real(*a, **k))
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None)
+    assert launches == [False, True]  # the gate/up and down delta launches of the two-stage LoRA path
+    run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="fused")
+    assert launches == [False, True]

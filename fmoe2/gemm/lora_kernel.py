@@ -1,0 +1,221 @@
+"""LoRA building blocks shared by the kernels, and the LoRA delta kernel of the two-stage path.
+
+A tile's rows may use different adapters (``token_lora_ids``, -1 = none). The adapters present
+in a tile are numbered densely into slots (``_tile_slots``) and LORA_SLOTS of them at a time are
+stacked into one operand of LORA_SLOTS * R rows (``_stack``), so one product serves a slot
+group; each row then keeps only its own slot's columns (``_own_rows``). The fused kernel
+(``fused_moe_kernel.py``) computes every delta inside its own programs.
+
+Two-stage path with adapters (``fused_moe`` with ``path="two_stage"``, or "auto" where the config
+picks it), five launches: sort, ``_lora_delta_kernel`` (gate/up), stage 1, ``_lora_delta_kernel``
+(down), stage 2:
+
+* gate/up: ``delta13[row] = scale * (x_row @ A13[adapter]^T) @ B13t[adapter]`` ``[2I]`` (gate, then
+  up; input dtype, sorted-row order); stage 1 adds it to its accumulators before the activation;
+* down: ``out[token] += scale * (y_row @ A2[adapter]^T) @ B2t[adapter]`` with relaxed atomics
+  (``y`` carries the routing weight), beside stage 2's adds.
+
+Why not inside the stages, as the fused kernel does: there each I-slice program repeats the
+shrink over H and expands its own down partial, ``LORA_SLOTS * 2R / (2 * BLOCK_N)`` more GEMM work
+(1.4-1.7x the plain forward at M=1024 on the H100). Expanding precomputed per-row shrinks inside
+stage 1 (a stacked ``tl.dot`` after the K loop) added 25 KB of shared memory and 55 registers,
+which cost stage 1 a third of its resident programs: tiles without adapters ran 1.3-1.4x slower
+(H100, DeepSeek-V2-Lite and Mixtral, M=1024; an fp32 FMA expand kept the shared memory but not the
+registers and ran slower still). Adding a ready delta keeps stage 1's footprint (74 vs 64
+registers, same shared memory on sm_90) and leaves stage 2 untouched.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras, LORA_IDS: tl.constexpr):
+    """Which adapters the tile's rows use, numbered densely in id order (their slots).
+
+    Returns row_lora [BLOCK_M] (adapter id, -1: none, padding or out of range), row_slot
+    [BLOCK_M] (-1 for none), present [LORA_IDS] (0/1 per adapter id), slot_of [LORA_IDS]
+    (the slot of each present id) and num_present (slots in use).
+    """
+    row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
+    row_lora = tl.where((row_lora >= 0) & (row_lora < num_loras), row_lora, -1)
+    ids = tl.arange(0, LORA_IDS)
+    uses = row_lora[:, None] == ids[None, :]
+    present = tl.max(uses.to(tl.int32), axis=0)
+    slot_of = tl.sum(tl.where(ids[None, :] < ids[:, None], present[None, :], 0), axis=1)
+    row_slot = tl.where(row_lora >= 0, tl.sum(tl.where(uses, slot_of[None, :], 0), axis=1), -1)
+    return row_lora, row_slot, present, slot_of, tl.sum(present, axis=0)
+
+
+@triton.jit
+def _stack(base, stride_l, stride_row, present, slot_of, first_slot, LORA_IDS: tl.constexpr,
+           LORA_SLOTS: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr):
+    """Rows of a stacked adapter operand: slots [first_slot, first_slot + LORA_SLOTS), WIDTH rows each.
+
+    With PARTS=2 (gate and up) the stack is [part 0 of every slot, part 1 of every slot], part p
+    of a slot being its rows [p*WIDTH, (p+1)*WIDTH). Returns per stacked row
+    [PARTS * LORA_SLOTS * WIDTH]: its pointer ``base + adapter * stride_l + row * stride_row``, its
+    slot, and whether the slot is in use (rows of unused slots are never loaded).
+    """
+    offs = tl.arange(0, PARTS * LORA_SLOTS * WIDTH)
+    in_part = offs % (LORA_SLOTS * WIDTH)
+    slot = first_slot + in_part // WIDTH
+    row = (offs // (LORA_SLOTS * WIDTH)) * WIDTH + offs % WIDTH
+    ids = tl.arange(0, LORA_IDS)
+    hit = (present[None, :] > 0) & (slot_of[None, :] == slot[:, None])
+    adapter = tl.sum(tl.where(hit, ids[None, :], 0), axis=1).to(tl.int64)
+    used = tl.max(hit.to(tl.int32), axis=1) > 0
+    return base + adapter * stride_l + row * stride_row, slot, used
+
+
+@triton.jit
+def _own_rows(stacked, row_slot, stack_slot, row_scale, dtype):
+    """A stacked product [BLOCK_M, STACK] -> each row keeps its own slot's columns, scaled, in ``dtype``.
+
+    Column c of a stacked product is row @ (adapter of slot stack_slot[c]); only the row's own
+    adapter's columns are its LoRA terms, the rest are zeroed.
+    """
+    mine = tl.where(row_slot[:, None] == stack_slot[None, :], stacked, tl.zeros_like(stacked))
+    return (mine * row_scale[:, None]).to(dtype)
+
+
+@triton.jit
+def _expand_gate_up(gate, up, shrink_gate, shrink_up, b13_rows, b13_up, b13_used, offs_n, n_valid):
+    """gate += shrink_gate @ B13t[stack, slice], up += shrink_up @ B13t[stack + R, slice].
+
+    ``shrink_*`` [BLOCK_M, STACK] hold each row's own (scaled) shrinks; ``b13_rows`` [STACK] point at
+    the gate rows of B13t, ``b13_up`` is the offset from a gate row to its up row.
+    """
+    mask = b13_used[:, None] & n_valid[None, :]
+    lbg = tl.load(b13_rows[:, None] + offs_n[None, :], mask=mask, other=0.0)
+    gate = tl.dot(shrink_gate, lbg, gate, input_precision="ieee")
+    lbu = tl.load(b13_rows[:, None] + b13_up + offs_n[None, :], mask=mask, other=0.0)
+    up = tl.dot(shrink_up, lbu, up, input_precision="ieee")
+    return gate, up
+
+
+@triton.jit
+def _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, stack_slot, row_scale):
+    """Stacked down shrink of one slice, y @ A2[stack, slice]^T [BLOCK_M, STACK], each row's own slot kept."""
+    la2 = tl.load(la2_rows[:, None] + offs_n[None, :], mask=la2_used[:, None] & n_valid[None, :], other=0.0)
+    stacked = tl.dot(y, tl.trans(la2), input_precision="ieee")
+    return _own_rows(stacked, row_slot, stack_slot, row_scale, y.dtype)
+
+
+@triton.jit
+def _shrink_step(a, la_rows, la_used, k, k_valid, shrink):
+    """One K step of the stacked LoRA shrink: shrink += a @ A[la_rows, k]^T (``a``: the x tile already loaded)."""
+    la = tl.load(la_rows[:, None] + k[None, :], mask=la_used[:, None] & k_valid[None, :], other=0.0)
+    return tl.dot(a, tl.trans(la), shrink, input_precision="ieee")
+
+
+@triton.jit
+def _split_gate_up(shrink, BLOCK_M: tl.constexpr, STACK: tl.constexpr):
+    """[BLOCK_M, 2*STACK] (gate stack, then up stack) -> the two [BLOCK_M, STACK] halves."""
+    return tl.split(tl.permute(tl.reshape(shrink, [BLOCK_M, 2, STACK]), (0, 2, 1)))
+
+
+@triton.jit
+def _lora_delta_kernel(
+    a_ptr,  # gate/up: x [M, H]; DOWN: y [num_grid_tiles * BLOCK_M, I] in sorted-row order
+    token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none
+    lora_a_ptr,  # gate/up: A13 [L, E, 2*LORA_RANK, H_pad]; DOWN: A2 [L, E, LORA_RANK, I_pad]
+    lora_b_ptr,  # gate/up: B13t [L, E, 2*LORA_RANK, I_pad]; DOWN: B2t [L, E, LORA_RANK, H_pad]
+    lora_scaling_ptr,  # [L] float32
+    dst_ptr,  # gate/up: delta13 [num_grid_tiles * BLOCK_M, 2*I] (stored); DOWN: out [M, H] (atomic adds)
+    sorted_token_ids_ptr,  # [num_grid_tiles * BLOCK_M] int32, padding = M
+    sorted_expert_ids_ptr,  # [num_grid_tiles] int32, -1 on gap tiles
+    num_sorted_tiles_ptr,  # [1] int32
+    num_tokens,  # M
+    K,  # shrink length: H (gate/up) or I (down)
+    N,  # output columns per part: I (gate/up) or H (down)
+    num_loras,
+    stride_a_m,
+    stride_dst_m,
+    stride_la_l,
+    stride_la_e,
+    stride_la_r,
+    stride_lb_l,
+    stride_lb_e,
+    stride_lb_r,
+    DOWN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LORA_RANK: tl.constexpr,  # padded rank
+    LORA_IDS: tl.constexpr,
+    LORA_SLOTS: tl.constexpr,
+):
+    """Grid: (num_grid_tiles, num_splits); program (tile, split) expands the split-th share of the
+    N columns (each split repeats the small shrink). Tiles without adapters exit at once; rows
+    without an adapter are neither written nor added to (stage 1 masks them)."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    if tile >= tl.load(num_sorted_tiles_ptr):
+        return
+    expert = tl.load(sorted_expert_ids_ptr + tile).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = tl.load(sorted_token_ids_ptr + offs_m)
+    row_valid = token < num_tokens
+    token = token.to(tl.int64)
+    row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras,
+                                                                     LORA_IDS)
+    if num_present == 0:
+        return
+    row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
+    if DOWN:
+        a_rows = a_ptr + offs_m.to(tl.int64) * stride_a_m
+        dst_rows = dst_ptr + token * stride_dst_m
+    else:
+        a_rows = a_ptr + token * stride_a_m
+        dst_rows = dst_ptr + offs_m.to(tl.int64) * stride_dst_m
+    PARTS: tl.constexpr = 1 if DOWN else 2
+    STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
+    dtype = a_ptr.dtype.element_ty
+    cols_per_split = tl.cdiv(tl.cdiv(N, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    n_begin = split * cols_per_split
+    n_end = tl.minimum(n_begin + cols_per_split, N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_expert = lora_a_ptr + expert * stride_la_e
+    b_expert = lora_b_ptr + expert * stride_lb_e
+    # More than LORA_SLOTS adapters in a tile: one shrink and expand per slot group.
+    for first_slot in range(0, num_present, LORA_SLOTS):
+        la_rows, a_slot, la_used = _stack(a_expert, stride_la_l, stride_la_r, present, slot_of, first_slot, LORA_IDS,
+                                          LORA_SLOTS, LORA_RANK, PARTS)
+        shrink = tl.zeros([BLOCK_M, PARTS * STACK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_valid = k < K
+            a = tl.load(a_rows[:, None] + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
+        own = _own_rows(shrink, row_slot, a_slot, row_scale, dtype)
+        lb_rows, lb_slot, lb_used = _stack(b_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot, LORA_IDS,
+                                           LORA_SLOTS, LORA_RANK, 1)
+        rows = (_in_group(row_slot, first_slot, LORA_SLOTS) & row_valid)[:, None]
+        if DOWN:
+            for n0 in range(n_begin, n_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_valid = offs_n < n_end
+                lb = tl.load(lb_rows[:, None] + offs_n[None, :], mask=lb_used[:, None] & n_valid[None, :], other=0.0)
+                delta = tl.dot(own, lb, input_precision="ieee")
+                tl.atomic_add(dst_rows[:, None] + offs_n[None, :], delta.to(dst_ptr.dtype.element_ty),
+                              mask=rows & n_valid[None, :], sem="relaxed")
+        else:
+            own_gate, own_up = _split_gate_up(own, BLOCK_M, STACK)
+            for n0 in range(n_begin, n_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_valid = offs_n < n_end
+                mask = lb_used[:, None] & n_valid[None, :]
+                lb_gate = tl.load(lb_rows[:, None] + offs_n[None, :], mask=mask, other=0.0)
+                lb_up = tl.load(lb_rows[:, None] + LORA_RANK * stride_lb_r + offs_n[None, :], mask=mask, other=0.0)
+                dst = dst_rows[:, None] + offs_n[None, :]
+                store_mask = rows & n_valid[None, :]
+                tl.store(dst, tl.dot(own_gate, lb_gate, input_precision="ieee").to(dtype), mask=store_mask)
+                tl.store(dst + N, tl.dot(own_up, lb_up, input_precision="ieee").to(dtype), mask=store_mask)
+
+
+@triton.jit
+def _in_group(row_slot, first_slot, LORA_SLOTS: tl.constexpr):
+    """Rows whose slot belongs to the group [first_slot, first_slot + LORA_SLOTS)."""
+    return (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS)
