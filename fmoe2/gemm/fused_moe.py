@@ -162,6 +162,8 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
         stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1), stride_out_m=out.stride(0),
         stride_y_m=y.stride(0) if y is not None else 0,
+        stride_delta13_m=workspace.lora_delta13.stride(0) if workspace is not None and workspace.lora_delta13 is not None
+        else 0,
         **_lora_args(problem, out),
         lora_delta13_ptr=workspace.lora_delta13 if workspace is not None and workspace.lora_delta13 is not None
         else out,

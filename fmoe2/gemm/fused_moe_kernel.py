@@ -143,7 +143,7 @@ def _fused_moe_kernel(
     lora_a2_ptr,  # [L, E, LORA_RANK, I_pad]
     lora_b2_ptr,  # [L, E, LORA_RANK, H_pad]: down B^T
     lora_scaling_ptr,  # [L] float32
-    lora_delta13_ptr,  # [num_grid_tiles * BLOCK_M, 2*I] (STORE_Y with HAS_LORA): gate then up LoRA deltas per row
+    lora_delta13_ptr,  # [num_grid_tiles * BLOCK_M, >= 2*I] (STORE_Y with HAS_LORA): gate then up LoRA deltas per row
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
     sorted_expert_ids_ptr,  # [max_num_tiles] int32
@@ -161,6 +161,7 @@ def _fused_moe_kernel(
     stride_w2_h,
     stride_out_m,
     stride_y_m,
+    stride_delta13_m,
     stride_la13_l,
     stride_la13_e,
     stride_la13_r,
@@ -235,7 +236,7 @@ def _fused_moe_kernel(
                                offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
         if HAS_LORA:
             if num_present > 0:  # add the deltas _lora_delta_kernel computed (rows without an adapter have none)
-                delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * (2 * I)
+                delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * stride_delta13_m
                 has = (row_lora >= 0)[:, None] & n_valid[None, :]
                 gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
                 up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
