@@ -4,8 +4,8 @@ and vs the vLLM-style path with separate shrink/expand kernels, end to end, bf16
 Per shape and batch (default M = 1, 16, 128, 1024; rank 16; 4 adapters spread uniformly over the
 tokens, 20% of tokens without one), one fmoe2 config (the pick of :func:`fmoe2.get_config`, fused
 or two-stage as tuned, or the best LoRA config with ``--search``) serves every fmoe2 variant
-(``fused_moe`` passes a fused config through ``fit_lora_config`` when adapters are given, as it
-does for every caller), so the ratios isolate the LoRA work:
+(``fused_moe`` passes it through ``fit_lora_config`` when adapters are given, as it does for
+every caller; that changes fused configs only), so the ratios isolate the LoRA work:
 
 * ``plain``: ``fused_moe`` without adapters, on the config's path;
 * ``lora``: mixed adapters; ``lora_none``: the adapters passed but every token -1;
@@ -127,7 +127,7 @@ def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_
                    speedup_vs_baseline_lora=t["baseline_lora_us"] / t["lora_us"],
                    baseline_lora_over_baseline=t["baseline_lora_us"] / t["baseline_us"],
                    fmoe2_rel_err=err_f, baseline_rel_err=err_b, fmoe2_config=cfg.to_dict(),
-                   fmoe2_lora_config=(fit_lora_config(cfg) if cfg.path == "fused" else cfg).to_dict(),
+                   fmoe2_lora_config=fit_lora_config(cfg).to_dict(),
                    baseline_config=base_cfgs[0].__dict__)
         rows.append(row)
         print(f"{name:17s} M={M:5d} {cfg.path:9s} plain {t['plain_us']:8.1f}  lora {t['lora_us']:8.1f} ({row['lora_over_plain']:.2f}x)"

@@ -155,6 +155,9 @@ def _arch_key(device) -> Optional[str]:
 def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
     """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
+    Two-stage configs come back unchanged: their loops carry no adapter work (the deltas come from
+    ``_lora_delta_kernel``, see ``fmoe2/gemm/lora_kernel.py``).
+
     Tiles without adapters run the plain loops with the config's num_stages; only the loops that
     carry adapter work get ``lora_num_stages``. Measured with ``python -m fmoe2.codegen --target
     sm_90 --lora-rank 16`` and on the H200 (rank 16, 4 adapters):
@@ -167,6 +170,8 @@ def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
       (Mixtral M=1024: mixed adapters 1.71x of the plain forward; keeping BLOCK_K=64 with 2 LoRA
       stages: 1.98x, though tiles without adapters then ran 1.15x instead of 1.34x).
     """
+    if cfg.path != "fused":
+        return cfg
     num_warps = 8 if cfg.num_warps < 8 and cfg.BLOCK_N >= 128 else cfg.num_warps
     block_k = cfg.BLOCK_K
     while cfg.BLOCK_M >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:

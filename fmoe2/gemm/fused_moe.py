@@ -151,6 +151,7 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     ``workspace.y`` (and, with adapters, adds the gate/up deltas of ``workspace.lora_delta13``).
     """
     y = workspace.y if workspace is not None else None
+    delta13 = workspace.lora_delta13 if workspace is not None else None
     num_grid_tiles = grid_tiles(problem, sorting)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
     args = dict(
@@ -162,11 +163,9 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
         stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1), stride_out_m=out.stride(0),
         stride_y_m=y.stride(0) if y is not None else 0,
-        stride_delta13_m=workspace.lora_delta13.stride(0) if workspace is not None and workspace.lora_delta13 is not None
-        else 0,
+        stride_delta13_m=delta13.stride(0) if delta13 is not None else 0,
         **_lora_args(problem, out),
-        lora_delta13_ptr=workspace.lora_delta13 if workspace is not None and workspace.lora_delta13 is not None
-        else out,
+        lora_delta13_ptr=delta13 if delta13 is not None else out,
     )
     constexprs = dict(
         ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
@@ -226,7 +225,6 @@ def _lora_args(problem: MoEProblem, out: torch.Tensor) -> dict:
 # or within 20% of best everywhere (gate/up deltas: Qwen3 79 vs 107 us at 64/64; Mixtral 101 vs 218).
 LORA_DELTA_BLOCK_K = 128  # shrink step
 LORA_DELTA_BLOCK_N = 128  # expand columns per step
-LORA_DELTA_OPTIONS = {"num_warps": 4, "num_stages": 2}
 
 
 def lora_delta_splits(num_grid_tiles: int, num_columns: int, device) -> int:
@@ -243,7 +241,7 @@ def lora_delta_splits(num_grid_tiles: int, num_columns: int, device) -> int:
 
 
 def lora_delta_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace,
-                      out: torch.Tensor, down: bool, num_splits: Optional[int] = None):
+                      out: torch.Tensor, down: bool):
     """Two-stage path with adapters: the gate/up deltas into ``workspace.lora_delta13`` (before stage 1)
     or, with ``down``, the down deltas added into ``out`` (after stage 1; see ``fmoe2/gemm/lora_kernel.py``)."""
     lora = problem.lora
@@ -253,8 +251,7 @@ def lora_delta_launch(problem: MoEProblem, sorting: MoESortingResult, workspace:
         a, la, lb, dst, K, N = workspace.y, lora.a2, lora.b2, out, inter, H
     else:
         a, la, lb, dst, K, N = problem.x, lora.a13, lora.b13, workspace.lora_delta13, H, inter
-    if num_splits is None:
-        num_splits = lora_delta_splits(num_grid_tiles, N, a.device)
+    num_splits = lora_delta_splits(num_grid_tiles, N, a.device)
     args = dict(
         a_ptr=a, token_lora_ids_ptr=problem.token_lora_ids, lora_a_ptr=la, lora_b_ptr=lb,
         lora_scaling_ptr=lora.scaling, dst_ptr=dst, sorted_token_ids_ptr=sorting.sorted_token_ids,
@@ -265,8 +262,8 @@ def lora_delta_launch(problem: MoEProblem, sorting: MoESortingResult, workspace:
     )
     constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_DELTA_BLOCK_K, BLOCK_N=LORA_DELTA_BLOCK_N,
                       **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
-    # 128-row tiles: 4 warps spilled about 400 instructions on sm_90 (8 warps: see codegen).
-    options = dict(LORA_DELTA_OPTIONS, num_warps=8 if sorting.block_m >= 128 else LORA_DELTA_OPTIONS["num_warps"])
+    # 128-row tiles need 8 warps: with 4, sm_90 code spilled about 400 instructions (8 warps: 6).
+    options = {"num_warps": 8 if sorting.block_m >= 128 else 4, "num_stages": 2}
     return (num_grid_tiles, num_splits), args, constexprs, options
 
 
@@ -355,7 +352,7 @@ def fused_moe(
                             device=hidden_states.device, path=path)
     else:  # a caller's config is fitted like a picked one (clamps, atomic-add precision cap)
         config = fit_config(config, H, problem.intermediate_size, problem.topk, hidden_states.dtype, path)
-    if problem.lora is not None and config.path == "fused":
+    if problem.lora is not None:
         config = fit_lora_config(config)
     with on_device(hidden_states):
         _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config)

@@ -17,12 +17,13 @@ picks it), five launches: sort, ``_lora_delta_kernel`` (gate/up), stage 1, ``_lo
 
 Why not inside the stages, as the fused kernel does: there each I-slice program repeats the
 shrink over H and expands its own down partial, ``LORA_SLOTS * 2R / (2 * BLOCK_N)`` more GEMM work
-(1.4-1.7x the plain forward at M=1024 on the H100). Expanding precomputed per-row shrinks inside
+(1.56-1.77x the plain two-stage forward at M=1024 on the H100). Expanding precomputed per-row shrinks inside
 stage 1 (a stacked ``tl.dot`` after the K loop) added 25 KB of shared memory and 55 registers,
 which cost stage 1 a third of its resident programs: tiles without adapters ran 1.3-1.4x slower
 (H100, DeepSeek-V2-Lite and Mixtral, M=1024; an fp32 FMA expand kept the shared memory but not the
-registers and ran slower still). Adding a ready delta keeps stage 1's footprint (74 vs 64
-registers, same shared memory on sm_90) and leaves stage 2 untouched.
+registers and ran slower still). Adding a ready delta keeps stage 1's footprint (sm_90, tuned H100
+configs: 64 registers as plain for DeepSeek and Mixtral, 106 vs 105 for Qwen3, same shared
+memory) and leaves stage 2 untouched.
 """
 import triton
 import triton.language as tl

@@ -96,6 +96,9 @@ def test_fit_lora_config_keeps_what_was_measured_to_fit():
     tall = fit_lora_config(FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_stages=3))
     assert tall.BLOCK_K == 32 and tall.BLOCK_M == 64  # BLOCK_K=64 needed 270336 B (264 KiB)
     assert fit_lora_config(large) == large
+    # Two-stage configs carry no adapter work in their loops: unchanged.
+    two = FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_warps=4, path="two_stage")
+    assert fit_lora_config(two) == two
 
 
 def test_lora_stages_reach_only_the_lora_kernel():
