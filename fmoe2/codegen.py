@@ -22,12 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Dict, List
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm.config import fit_lora_config, get_config
 from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_delta_launch,
@@ -67,6 +69,9 @@ def _signature(fn, args: dict, constexprs: dict, backend: str):
             continue
         if isinstance(v, int) and not isinstance(v, bool) and v == 1 and not param.do_not_specialize:
             signature[name], constexprs[name] = "constexpr", 1  # the JIT specialises ints equal to 1
+            continue
+        if isinstance(v, TensorDescriptor):
+            signature[name] = f"tensordesc<{_TRITON_TYPES[v.base.dtype]}{list(v.block_shape)}>"
             continue
         if isinstance(v, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[v.dtype]
@@ -114,6 +119,7 @@ def _report_cuda(compiled) -> dict:
     matrix = _opcode_counts(lines, r"\b(HGMMA|HMMA|IMMA|QGMMA|UTCHMMA|UTCQMMA)[.\w]*")
     atomics = _opcode_counts(lines, r"\b(ATOMG|REDG|RED|ATOM)\.[.\w]*")
     local_ops = _opcode_counts(lines, r"\b(LDL|STL)\b")
+    tensor_copies = _opcode_counts(lines, r"\bUTMALDG[.\w]*")
     return {
         "registers": field("REG"),
         "local_memory_bytes": field("LOCAL"),  # per thread: spills and stack arrays
@@ -124,6 +130,7 @@ def _report_cuda(compiled) -> dict:
         "wgmma": any(k.startswith(("HGMMA", "QGMMA")) for k in matrix),
         "atomic_instructions": atomics,
         "cas_loop": any(".CAS" in k for k in atomics),
+        "tensor_copy_instructions": tensor_copies,  # UTMALDG: tiles loaded through tensor descriptors
     }
 
 
@@ -175,7 +182,7 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
 
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
-                   num_loras: int = 4) -> List[dict]:
+                   num_loras: int = 4, tma: bool = False) -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
@@ -183,6 +190,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     With ``lora_rank`` > 0 the kernels carry ``num_loras`` adapters of that rank: ``fused_moe_lora``
     (the fused path), and where the picked config is two-stage, ``lora_delta13``,
     ``fused_moe_stage1_lora``, ``lora_delta2`` and ``moe_stage2`` instead of the plain stage 1.
+    ``tma`` compiles the configs with ``tma=True`` (weight tiles through tensor descriptors).
     """
     target = TARGETS[target_name]
     backend = target.backend
@@ -201,6 +209,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     pick = dict(backend=backend, arch=target.arch if backend == "hip" else None)
     config = get_config(M, E, H, inter, topk, dtype, **pick)
     fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
+    if tma:
+        config, fused_config = replace(config, tma=True), replace(fused_config, tma=True)
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
@@ -252,6 +262,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plain", action="store_true", help="plain weight layout instead of prepared")
     parser.add_argument("--lora-rank", type=int, default=0, help="also compile the fused kernel with LoRA of this rank")
     parser.add_argument("--num-loras", type=int, default=4, help="adapters with --lora-rank (default 4)")
+    parser.add_argument("--tma", action="store_true", help="configs with tma=True (tensor-descriptor weight loads)")
     a = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
@@ -269,7 +280,7 @@ def main(argv=None) -> int:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
         for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
-                                     a.num_loras):
+                                     a.num_loras, a.tma):
             print(json.dumps(report))
     return 0
 

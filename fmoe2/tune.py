@@ -17,7 +17,7 @@ import torch
 
 import fmoe2
 from fmoe2.bench.__main__ import make_inputs
-from fmoe2.bench.search import fmoe2_candidates, search
+from fmoe2.bench.search import search_fmoe2
 from fmoe2.gemm.config import CONFIG_DIR, device_config_name, shape_file_name
 from fmoe2.shapes import SHAPES
 
@@ -47,9 +47,9 @@ def main(argv=None) -> int:
     for M in (int(m) for m in a.m.split(",")):
         x, tw, ti = make_inputs(M, E, H, I, topk, gen)
         x, out = x.to(dtype), torch.empty(M, H, device="cuda", dtype=dtype)
-        best, us, _ = search(fmoe2_candidates(M, E, H, I, topk, dtype),
-                             lambda cfg: lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg),
-                             f"M={M}")
+        best, us, _ = search_fmoe2(M, E, H, I, topk, dtype,
+                                   lambda cfg: lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg),
+                                   f"M={M}")
         tuned[str(M)] = best.to_dict()
         print(f"M={M}: {us:.1f} us with {best.to_dict()}", flush=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -16,10 +16,10 @@ def codegen_env():
     return env
 
 
-def codegen(target, shape="mixtral-8x7b", ms="1,4096"):
+def codegen(target, shape="mixtral-8x7b", ms="1,4096", *flags):
     env = codegen_env()
-    proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", target, "--shape", shape, "--m", ms],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", target, "--shape", shape, "--m", ms,
+                           *flags], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert reports, proc.stdout
@@ -72,6 +72,18 @@ def test_sm80_lowers_bf16_atomics_to_a_cas_loop():
 
 
 SM90_SHARED_MEMORY = 232448  # bytes per block on H100/H200
+
+
+def test_sm90_tma_configs_load_weights_through_the_copy_engine():
+    # tma=True: gate/up tiles (2*BLOCK_N <= 256), down tiles and stage 2's y tiles come through
+    # tensor descriptors (UTMALDG in the SASS), without spills and within shared memory.
+    r = codegen("sm_90", "qwen3-30b-a3b", "1,4096", "--tma")
+    for key in (("fused_moe", 1), ("fused_moe", 4096), ("fused_moe_stage1", 4096), ("moe_stage2", 4096)):
+        rep = r[key]
+        assert rep["config"]["tma"] and rep["tensor_copy_instructions"], (key, rep)
+        assert no_spills(rep) and rep["shared_memory_bytes"] <= SM90_SHARED_MEMORY, (key, rep)
+    plain = codegen("sm_90", "qwen3-30b-a3b", "4096")
+    assert not plain[("moe_stage2", 4096)]["tensor_copy_instructions"]  # off unless asked for
 
 
 @pytest.mark.parametrize("shape,rank", [("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16), ("mixtral-8x7b", 64)])

@@ -27,11 +27,12 @@ import torch
 import triton
 
 import fmoe2
-from fmoe2.gemm.config import device_config_name
+from fmoe2.gemm.config import device_config_name, fit_config
+from fmoe2.gemm.fused_moe import check_fused_moe_args, forward_launches
 from fmoe2.shapes import SHAPES
 
 from .report import write_report
-from .search import baseline_candidates, fmoe2_candidates, search
+from .search import baseline_candidates, search, search_fmoe2
 from .timing import time_in_graph
 from .vllm_style import vllm_style_fused_experts
 
@@ -50,6 +51,27 @@ def measure_ceilings() -> dict:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_us = time_in_graph(lambda: a @ b, calls_per_graph=5, replays=20)
     return {"copy_bytes_per_s": 2 * n / (copy_us * 1e-6), "bf16_flops_per_s": 2 * 8192**3 / (mm_us * 1e-6)}
+
+
+def stage_times(x, weights, topk_weights, topk_ids, config, out) -> dict:
+    """Median us of each launch of fmoe2's forward alone (names from ``forward_launches``: sort, fused
+    or stage1/stage2), each in its own graph, on the buffers one full forward leaves behind."""
+    problem = check_fused_moe_args(x, weights, None, topk_weights, topk_ids, "silu", out, None, config)
+    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, x.dtype)
+    launches = forward_launches(problem, x, topk_weights, topk_ids, "silu", out, None, config)
+    for _, launch in launches:  # every launch then finds the buffers it reads filled
+        launch()
+    return {name: time_in_graph(launch) for name, launch in launches}
+
+
+def dense_gemm_us(E, H, I, rows_per_expert, gen) -> float:
+    """Calibration: the forward's two GEMMs as dense batched products through torch (cuBLAS) in bf16,
+    ``rows_per_expert`` rows for each of the E experts (no gather, padding, activation or atomics):
+    what a vendor GEMM library reaches at this size."""
+    opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    a, w13 = torch.randn(E, rows_per_expert, H, **opts), torch.randn(E, H, 2 * I, **opts)
+    y, w2 = torch.randn(E, rows_per_expert, I, **opts), torch.randn(E, I, H, **opts)
+    return time_in_graph(lambda: torch.bmm(a, w13)) + time_in_graph(lambda: torch.bmm(y, w2))
 
 
 def make_inputs(M, E, H, I, topk, gen):
@@ -95,8 +117,7 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         picked_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)  # what fused_moe runs here
         default_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, tuned=False)  # without a tuned file
         if do_search:
-            f_cfg, _, f_all = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), run_fmoe2,
-                                     f"{name} M={M} fmoe2")
+            f_cfg, _, f_all = search_fmoe2(M, E, H, I, topk, torch.bfloat16, run_fmoe2, f"{name} M={M} fmoe2")
             b_cfgs, _, _ = search(baseline_candidates(M, E, topk), run_base, f"{name} M={M} baseline")
             fused_cfg = min((r for r in f_all if r[0].path == "fused"), key=lambda r: r[1])[0]
         else:
@@ -113,12 +134,16 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
             t_f if f_cfg.path == "fused" else float("nan"))
         t_b = time_in_graph(run_base(b_cfgs))
         t_sort = time_in_graph(lambda: fmoe2.moe_sorting(ti, tw, E, f_cfg.BLOCK_M, out=out))
+        stages = stage_times(x, prepared, tw, ti, f_cfg, out)
+        # Compute-bound points (>= 256 routed rows per expert): what cuBLAS reaches on the same GEMMs.
+        t_dense = dense_gemm_us(E, H, I, M * topk // E, gen) if M * topk >= 256 * E else None
         sort_budget = (10.0 if M * topk <= 8192 else 25.0) + M * H * 2 / ceilings["copy_bytes_per_s"] * 1e6
         row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, experts_hit=experts_hit,
                    fmoe2_us=t_f, fmoe2_path=f_cfg.path, fmoe2_fused_path_us=t_fused,
                    fmoe2_default_config_us=t_default, fmoe2_plain_weights_us=t_plain,
                    baseline_us=t_b, speedup=t_b / t_f, floor_us=floor_us, fraction_of_floor=floor_us / t_f,
                    sort_us=t_sort, sort_budget_us=sort_budget, fmoe2_rel_err=err_f, baseline_rel_err=err_b,
+                   stage_us=stages, flops=flops, dense_gemm_us=t_dense,
                    fmoe2_config=f_cfg.to_dict(), baseline_config=b_cfgs[0].__dict__)
         if vllm_fused_experts is not None:
             row["vllm_fused_experts_us"] = time_in_graph(lambda: vllm_fused_experts(x, w1, w2, tw, ti))

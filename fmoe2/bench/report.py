@@ -32,7 +32,8 @@ def _table(runs) -> str:
     for run in runs:
         for r in run["results"]:
             speedups.append(r["speedup"])
-            lines.append(f"| {r['shape']} | {r['M']} | {r['fmoe2_us']:.1f} | {r.get('fmoe2_path', 'fused')} | "
+            tma = " +tma" if r.get("fmoe2_config", {}).get("tma") else ""  # tensor-descriptor weight loads
+            lines.append(f"| {r['shape']} | {r['M']} | {r['fmoe2_us']:.1f} | {r.get('fmoe2_path', 'fused')}{tma} | "
                          f"{r.get('fmoe2_fused_path_us', r['fmoe2_us']):.1f} | {r['baseline_us']:.1f} | "
                          f"{r['speedup']:.2f}x | {r['fraction_of_floor']:.0%} | {r['sort_us']:.1f} / "
                          f"{r['sort_budget_us']:.1f} | {r['fmoe2_default_config_us']:.1f} | "
@@ -40,6 +41,30 @@ def _table(runs) -> str:
     geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups)) if speedups else float("nan")
     lines.append(f"\nGeometric-mean speedup over {len(speedups)} points: **{geo:.2f}x**")
     return "\n".join(lines)
+
+
+def _breakdown(runs) -> str:
+    """Per-launch times (``stage_us``) of the points that have them, with each GEMM launch's share of
+    the flops over its time, and the dense cuBLAS calibration (``dense_gemm_us``) where measured."""
+    lines = ["| shape | M | path | sort (us) | fused or stage 1 (us, TFLOP/s) | stage 2 (us, TFLOP/s) | "
+             "dense cuBLAS bmm (us, TFLOP/s) | fmoe2 / dense |", "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for r in run["results"]:
+            st = r.get("stage_us")
+            if not st:
+                continue
+            flops = r["flops"]
+            if "stage1" in st:  # stage 1 does gate+up (2/3 of the flops), stage 2 the down GEMM
+                first = f"{st['stage1']:.1f}, {flops * 2 / 3 / st['stage1'] / 1e6:.0f}"
+                second = f"{st['stage2']:.1f}, {flops / 3 / st['stage2'] / 1e6:.0f}"
+            else:
+                first, second = f"{st['fused']:.1f}, {flops / st['fused'] / 1e6:.0f}", "-"
+            dense = r.get("dense_gemm_us")
+            dense_cells = (f"{dense:.1f}, {flops / dense / 1e6:.0f} | {r['fmoe2_us'] / dense:.2f}x" if dense
+                           else "- | -")
+            lines.append(f"| {r['shape']} | {r['M']} | {r.get('fmoe2_path', 'fused')} | {st['sort']:.1f} | {first} | "
+                         f"{second} | {dense_cells} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _plots(runs, plot_dir: str, device: str):
@@ -91,11 +116,18 @@ def write_report(out_dir: str, device: str, plot_dir: str = None) -> str:
           "- timing: 10 calls per CUDA graph, CUDA events, median of 50 replays; sort and zeroing inside fmoe2's "
           "time, alignment, activation and top-k sum inside the baseline's", "",
           _table(runs)]
+    breakdown = _breakdown(runs)
+    if breakdown:
+        md += ["", "## Where the time goes", "",
+               "Each launch of fmoe2's picked config timed alone (own graph); TFLOP/s = the launch's share of the "
+               "flops over its time. Dense cuBLAS bmm: the same two GEMMs as batched dense products with the "
+               "routed rows spread evenly over the experts (a calibration of what a GEMM library reaches at "
+               "this size; no gather, padding, activation or atomics).", "", breakdown]
     md_path = os.path.join(out_dir, f"{device}.md")
     with open(md_path, "w") as f:
         f.write("\n".join(md) + "\n")
     plots = _plots(runs, plot_dir, device)
-    return "\n".join(md[-1:]) + "\n" + f"wrote {md_path} " + " ".join(plots)
+    return _table(runs) + "\n" + (breakdown + "\n" if breakdown else "") + f"wrote {md_path} " + " ".join(plots)
 
 
 def write_tuned_configs(out_dir: str, device: str, config_dir: str):

@@ -2,6 +2,7 @@
 the same chance: same BLOCK_M choices per batch, same BLOCK_N/BLOCK_K/warps/stages grid."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -68,6 +69,28 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     return out
 
 
+TMA_TWINS = 3  # fastest pointer-load configs retried with tensor-descriptor loads
+
+
+def has_tensor_copy_engine() -> bool:
+    """CUDA GPU of compute capability >= 9, where Triton lowers tensor descriptors to TMA."""
+    return current_backend() == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def search_fmoe2(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
+                 run: Callable[[FusedMoEConfig], Callable[[], object]], label: str = ""):
+    """:func:`search` over :func:`fmoe2_candidates`, then, on GPUs with a tensor copy engine, over the
+    ``tma=True`` twins of the TMA_TWINS fastest (so the picked config says whether descriptors pay).
+    Returns (best, its time in us, all results)."""
+    best, us, results = search(fmoe2_candidates(M, E, H, I, topk, dtype), run, label)
+    if has_tensor_copy_engine():
+        fastest = [cfg for cfg, _ in sorted(results, key=lambda r: r[1])[:TMA_TWINS]]
+        _, _, twins = search([dataclasses.replace(cfg, tma=True) for cfg in fastest], run, label + " tma")
+        results = results + twins
+        best, us = min(results, key=lambda r: r[1])
+    return best, us, results
+
+
 def baseline_candidates(M: int, E: int, topk: int) -> List[Tuple[GroupedGemmConfig, GroupedGemmConfig]]:
     """Baseline (GEMM1, GEMM2) configs to try: the same grid, one config shared by both GEMMs."""
     out = []
@@ -105,4 +128,4 @@ def search(candidates: Iterable[T], run: Callable[[T], Callable[[], object]], la
     return best, us, results
 
 
-__all__ = ["fmoe2_candidates", "baseline_candidates", "search", "block_m_candidates"]
+__all__ = ["fmoe2_candidates", "baseline_candidates", "search", "search_fmoe2", "block_m_candidates"]

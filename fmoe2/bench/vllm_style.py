@@ -76,7 +76,7 @@ def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mu
     grid = (num_grid_tiles * triton.cdiv(N, cfg.BLOCK_N),)
     _grouped_gemm_kernel[grid](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights,
-        num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        None, None, 0, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         GATHER_A=True, A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=False,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -84,7 +84,7 @@ def _lora_gemm(a, b, c, sorting, weights, num_entries, a_row_divisor, mul_weight
     grid = (num_grid_tiles * triton.cdiv(N, block_n),)
     _grouped_gemm_kernel[grid](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, weights,
-        num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        None, None, 0, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         GATHER_A=True, A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=add,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -65,6 +65,9 @@ class FusedMoEConfig:
     # Pipeline depth of the loops that carry adapter work (fused multi-LoRA); None: num_stages.
     # Tiles without adapters keep num_stages: their loops are other loops of the same kernel.
     lora_num_stages: Optional[int] = None
+    # Prepared weights' tiles through tensor descriptors (Hopper's bulk tensor copy engine) instead of
+    # pointer loads; CUDA only (ignored on ROCm and with plain weights). Off until measured faster.
+    tma: bool = False
     # ROCm only (ignored on CUDA, never passed to a CUDA launch):
     waves_per_eu: Optional[int] = None
     matrix_instr_nonkdim: Optional[int] = None

@@ -3,11 +3,13 @@
 delta kernel runs before stage 1 and another before stage 2)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
 from ..reference import ACTIVATIONS
@@ -130,17 +132,44 @@ def grid_tiles(problem: MoEProblem, sorting: MoESortingResult) -> int:
 class TwoStageWorkspace:
     """Buffers of the two-stage path, in sorted-row order (``grid_tiles * BLOCK_M`` rows)."""
 
-    y: torch.Tensor  # [rows, I] input dtype: activated intermediate, routing weight applied
+    # [rows, I] view of a [rows, I rounded up to 8] buffer (16-byte rows, for tensor descriptors), input
+    # dtype: activated intermediate, routing weight applied
+    y: torch.Tensor
     lora_delta13: Optional[torch.Tensor] = None  # [rows, 2I] input dtype: gate then up LoRA deltas (adapters only)
 
     @classmethod
     def allocate(cls, problem: MoEProblem, sorting: MoESortingResult) -> "TwoStageWorkspace":
         rows = grid_tiles(problem, sorting) * sorting.block_m
         x = problem.x
-        ws = cls(y=torch.empty(rows, problem.intermediate_size, dtype=x.dtype, device=x.device))
+        # Row stride padded to 16 bytes so stage 2 can read y through a tensor descriptor.
+        inter = problem.intermediate_size
+        y = torch.empty(rows, -(-inter // 8) * 8, dtype=x.dtype, device=x.device)[:, :inter]
+        ws = cls(y=y)
         if problem.lora is not None:
             ws.lora_delta13 = torch.empty(rows, 2 * problem.intermediate_size, dtype=x.dtype, device=x.device)
         return ws
+
+
+TMA_MAX_BLOCK = 256  # largest tensor-descriptor block dimension (a hardware limit of the copy engine)
+
+
+def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bool:
+    """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared weights
+    (rows padded to 16 bytes, as descriptors need) on CUDA. Triton lowers descriptors to the bulk
+    tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
+    load compiled to 2-byte loads, so HIP keeps its pointer loads."""
+    return config.tma and backend == "cuda" and problem.gate_up_interleaved
+
+
+def _descriptor(t: torch.Tensor, block) -> Optional[TensorDescriptor]:
+    """Tensor descriptor of ``t`` ([E, rows, cols] viewed as [E * rows, cols], or 2-D) in ``block``
+    tiles; None (the kernels then use pointer loads) where the copy engine cannot take it: a block
+    dimension over TMA_MAX_BLOCK, or a base address or row stride that is not a multiple of 16 bytes."""
+    t2 = t.view(-1, t.shape[-1]) if t.dim() == 3 else t
+    row_bytes = t2.stride(0) * t2.element_size()
+    if max(block) > TMA_MAX_BLOCK or t2.stride(1) != 1 or row_bytes % 16 or t2.data_ptr() % 16:
+        return None
+    return TensorDescriptor.from_tensor(t2, list(block))
 
 
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
@@ -154,8 +183,11 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     delta13 = workspace.lora_delta13 if workspace is not None else None
     num_grid_tiles = grid_tiles(problem, sorting)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
+    tma = tma_enabled(config, problem, backend)
     args = dict(
         x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y if y is not None else out,
+        w13_desc=_descriptor(problem.w1, (2 * config.BLOCK_N, config.BLOCK_K)) if tma else None,
+        w2_desc=_descriptor(problem.w2, (config.BLOCK_H, config.BLOCK_N)) if tma else None,
         sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_weights_ptr=sorting.sorted_weights,
         sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
         num_tokens=problem.x.shape[0], H=problem.hidden_size, I=problem.intermediate_size,
@@ -274,8 +306,12 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
     num_grid_tiles = grid_tiles(problem, sorting)
     H = problem.hidden_size
     grid = (num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
+    tma = tma_enabled(config, problem, backend)
     args = dict(
         a_ptr=y, b_ptr=problem.w2, c_ptr=out, sorted_ids_ptr=sorting.sorted_token_ids,
+        a_desc=_descriptor(y, (config.BLOCK_M, config.S2_BLOCK_K)) if tma else None,
+        b_desc=_descriptor(problem.w2, (config.S2_BLOCK_N, config.S2_BLOCK_K)) if tma else None,
+        b_rows_per_expert=problem.w2.shape[1],
         expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
         topk_weights_ptr=sorting.sorted_weights, num_valid_ids=problem.x.shape[0], N=H,
         K=problem.intermediate_size, num_grid_tiles=num_grid_tiles, stride_a_m=y.stride(0),
@@ -355,26 +391,35 @@ def fused_moe(
     if problem.lora is not None:
         config = fit_lora_config(config)
     with on_device(hidden_states):
-        _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config)
+        for _, launch in forward_launches(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map,
+                                          config):
+            launch()
     return out
 
 
-def _launch(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map, config):
+def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids, activation: str, out: torch.Tensor,
+                     expert_map, config: FusedMoEConfig) -> List[Tuple[str, Callable[[], None]]]:
+    """The launches of one forward, in order, as ``(name, launch)`` pairs, their buffers (sorting
+    results, two-stage workspace) allocated: ``sort``, then ``fused``, or ``stage1`` and ``stage2``
+    (with adapters ``lora_delta13`` before stage 1 and ``lora_delta2`` before stage 2).
+    :func:`fused_moe` runs them in order; the benchmark also times each one alone."""
     M = hidden_states.shape[0]
     backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
-    launch_moe_sorting(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out)
-    workspace = None
-    if config.path == "two_stage":
-        workspace = TwoStageWorkspace.allocate(problem, sorting)
-        if problem.lora is not None:
-            grid, args, constexprs, options = lora_delta_launch(problem, sorting, workspace, out, down=False)
-            _lora_delta_kernel[grid](**args, **constexprs, **options)
-    grid, args, constexprs, options = fused_kernel_launch(problem, out, sorting, activation, config, backend, workspace)
-    _fused_moe_kernel[grid](**args, **constexprs, **options)
+    launches = [("sort", functools.partial(launch_moe_sorting, topk_ids, topk_weights, problem.num_experts,
+                                           expert_map, sorting, out))]
+
+    def add(name, kernel, launch):
+        grid, args, constexprs, options = launch
+        launches.append((name, lambda: kernel[grid](**args, **constexprs, **options)))
+
+    workspace = TwoStageWorkspace.allocate(problem, sorting) if config.path == "two_stage" else None
+    if workspace is not None and problem.lora is not None:
+        add("lora_delta13", _lora_delta_kernel, lora_delta_launch(problem, sorting, workspace, out, down=False))
+    add("fused" if workspace is None else "stage1", _fused_moe_kernel,
+        fused_kernel_launch(problem, out, sorting, activation, config, backend, workspace))
     if workspace is not None:
         if problem.lora is not None:
-            grid, args, constexprs, options = lora_delta_launch(problem, sorting, workspace, out, down=True)
-            _lora_delta_kernel[grid](**args, **constexprs, **options)
-        grid, args, constexprs, options = stage2_kernel_launch(problem, out, sorting, workspace, config, backend)
-        _grouped_gemm_kernel[grid](**args, **constexprs, **options)
+            add("lora_delta2", _lora_delta_kernel, lora_delta_launch(problem, sorting, workspace, out, down=True))
+        add("stage2", _grouped_gemm_kernel, stage2_kernel_launch(problem, out, sorting, workspace, config, backend))
+    return launches

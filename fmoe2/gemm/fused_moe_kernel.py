@@ -61,11 +61,14 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H, la_rows, la_used,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
-             WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr):
+             w13_desc, w13_row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             GATE_UP_INTERLEAVED: tl.constexpr, WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice.
 
     STAGES: pipeline depth of the K loop (None: the launch's num_stages).
+
+    ``w13_desc`` (interleaved weights only; None: pointer loads): a tensor descriptor the weight
+    tiles come through, this slice's first row at ``w13_row0``.
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded).
@@ -79,7 +82,10 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
             k = k0 + offs_k
             k_valid = k < H
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            b = tl.load(w_rows + k[None, :], mask=r_valid[:, None] & k_valid[None, :], other=0.0)
+            if w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
+                b = w13_desc.load([w13_row0, k0])
+            else:
+                b = tl.load(w_rows + k[None, :], mask=r_valid[:, None] & k_valid[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             if WITH_LORA:
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
@@ -105,21 +111,25 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
 
 @triton.jit
 def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, offs_n, n_valid, H, ds_stacked, lb2_rows, lb2_used,
-          BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr,
-          STAGES: tl.constexpr):
+          w2_desc, w2_row0, slice_col0, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr,
+          WITH_LORA: tl.constexpr, STAGES: tl.constexpr):
     """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2t[lb2_rows]), over H in BLOCK_H chunks, atomically.
 
     ``lb2_rows``: [STACK] pointers to the stacked rows of B2t ([R, H], H contiguous) at h = 0;
     WITH_BASE=False adds only the LoRA term (further slot groups); STAGES: pipeline depth (None:
-    the launch's num_stages).
+    the launch's num_stages). ``w2_desc`` (None: pointer loads): a tensor descriptor the weight
+    tiles come through, at (``w2_row0 + h``, ``slice_col0``).
     """
     offs_h0 = tl.arange(0, BLOCK_H)
     for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         offs_h = h0 + offs_h0
         h_valid = offs_h < H
         if WITH_BASE:
-            w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :],
-                        mask=h_valid[:, None] & n_valid[None, :], other=0.0)
+            if w2_desc is not None:
+                w = w2_desc.load([w2_row0 + h0, slice_col0])
+            else:
+                w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :],
+                            mask=h_valid[:, None] & n_valid[None, :], other=0.0)
             partial = tl.dot(y, tl.trans(w), input_precision="ieee")
         else:
             partial = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -135,6 +145,8 @@ def _fused_moe_kernel(
     x_ptr,  # [M, H] bf16/fp16/fp32
     w1_ptr,  # plain: [E, 2I, H] gate rows then up rows; interleaved: [E, 2*I_pad, H_pad] (g0, u0, g1, u1, ...)
     w2_ptr,  # [E, H(_pad), I(_pad)]
+    w13_desc,  # None, or a tensor descriptor of interleaved w1 viewed [E * 2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]
+    w2_desc,  # None, or a tensor descriptor of w2 viewed [E * H_pad, I_pad], block [BLOCK_H, BLOCK_N]
     out_ptr,  # [M, H], zeroed by the sorting launch, receives atomic adds
     y_ptr,  # [num_grid_tiles * BLOCK_M, I] (STORE_Y only): activated, weighted intermediate in sorted order
     token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none (HAS_LORA only, like every lora_* below)
@@ -223,6 +235,9 @@ def _fused_moe_kernel(
     w1_expert = w1_ptr + expert * stride_w1_e
     w2_expert = w2_ptr + expert * stride_w2_e
     out_rows = out_ptr + token[:, None] * stride_out_m
+    # First descriptor rows (tensor-descriptor loads only) of this program's gate/up tile and this expert's w2.
+    w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
+    w2_row0 = (expert * (stride_w2_e // stride_w2_h)).to(tl.int32)
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK  # stacked shrink width
     if HAS_LORA:
         row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
@@ -233,7 +248,8 @@ def _fused_moe_kernel(
     if STORE_Y:
         # Two-stage path: LoRA deltas come ready from _lora_delta_kernel (see lora_kernel.py).
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
-                               offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
+                               offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
+                               False, 16, None)
         if HAS_LORA:
             if num_present > 0:  # add the deltas _lora_delta_kernel computed (rows without an adapter have none)
                 delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * stride_delta13_m
@@ -242,7 +258,8 @@ def _fused_moe_kernel(
                 up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
     elif num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
-                               offs_n, n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
+                               offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
+                               False, 16, None)
     else:
         dtype = x_ptr.dtype.element_ty
         a13_expert = lora_a13_ptr + expert * stride_la13_e
@@ -252,8 +269,8 @@ def _fused_moe_kernel(
         la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of, 0, LORA_IDS,
                                            LORA_SLOTS, LORA_RANK, 2)
         gate, up, shrink = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
-                                    la_rows, la_used, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, True, 2 * STACK,
-                                    LORA_STAGES)
+                                    la_rows, la_used, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
+                                    GATE_UP_INTERLEAVED, True, 2 * STACK, LORA_STAGES)
         shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
         lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0, LORA_IDS,
                                            LORA_SLOTS, LORA_RANK, 1)
@@ -287,7 +304,7 @@ def _fused_moe_kernel(
     # Down GEMM of this slice over all of H, added into the output.
     if num_present == 0:
         _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H, y, offs_n, n_valid,
-              BLOCK_M, BLOCK_H, True, False, None)
+              w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, False, None)
     else:
         # Down shrink of this slice for a slot group, t = y_slice @ A2[stack, slice]^T (each row keeps
         # its own slot's columns); its expand t @ B2t[stack, h chunk] rides the down loop.
@@ -299,7 +316,7 @@ def _fused_moe_kernel(
                                               LORA_SLOTS, LORA_RANK, 1)
         _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
               _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),
-              lb2_rows, lb2_used, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
+              lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
         if LORA_SLOTS < LORA_IDS:
             # Further slot groups: their own pass over H, atomics on their rows only.
             for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
@@ -310,4 +327,5 @@ def _fused_moe_kernel(
                 _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
                       stride_w2_h, offs_n, n_valid, H,
                       _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),
-                      lb2_rows, lb2_used, BLOCK_M, BLOCK_H, False, True, LORA_STAGES)
+                      lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, False, True,
+                      LORA_STAGES)

@@ -7,6 +7,9 @@ One kernel, two users:
   added with relaxed atomics into the output the sort zeroed (``topk`` adds per element);
 * the benchmark's vLLM-style baseline: A gathered by expanded id (``x[id // topk]`` or
   ``cache2[id]``), output stored at row ``id``, optionally times ``topk_weights[id]``.
+
+Given tensor descriptors (fmoe2's stage 2 with ``FusedMoEConfig.tma``), B tiles and A tiles (A
+not gathered) come through them (Hopper's bulk tensor copy engine) instead of pointer loads.
 """
 import triton
 import triton.language as tl
@@ -21,6 +24,9 @@ def _grouped_gemm_kernel(
     expert_ids_ptr,  # [max_tiles] int32
     num_sorted_tiles_ptr,  # [1] int32
     topk_weights_ptr,  # [num_valid_ids] float32 (read only if MUL_ROUTED_WEIGHT)
+    a_desc,  # None, or a tensor descriptor of A [num_a_rows, K], block [BLOCK_M, BLOCK_K] (not with GATHER_A)
+    b_desc,  # None, or a tensor descriptor of B viewed [E * b_rows_per_expert, K(_pad)], block [BLOCK_N, BLOCK_K]
+    b_rows_per_expert,  # B.shape[1] (read with b_desc only)
     num_valid_ids,
     N,
     K,
@@ -67,11 +73,19 @@ def _grouped_gemm_kernel(
         a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m
     b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_row0 = (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_valid = k < K
-        a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(b_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        if a_desc is not None:
+            a = a_desc.load([tile * BLOCK_M, k0])  # rows past the descriptor's end read as zero
+        else:
+            a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        if b_desc is not None:
+            # Rows past this expert's N belong to the next expert: their columns are masked at the store.
+            b = b_desc.load([b_row0, k0])
+        else:
+            b = tl.load(b_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]

@@ -1,5 +1,7 @@
 """fused_moe against the float64 reference (CPU interpreter in fp16/fp32, or the GPU), edge
 cases, expert parallelism, prepared weights, configs and argument checks."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -224,3 +226,53 @@ def test_a_callers_config_is_fitted_like_a_picked_one(monkeypatch):
     out = fused_moe(x, w1, w2, tw, ti, config=FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16))
     assert 8 * -(-512 // seen[0].BLOCK_N) <= 128  # widened from 16 by the atomic-add cap
     assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+# Tensor-descriptor (TMA) weight loads: the interpreter runs descriptors too, so the same problem with
+# tma on and off must give the same bits on the CPU. Padding to 8 elements makes the last slice's
+# gate/up rows run into the next expert's rows and the K tail past the padded width, which the
+# descriptor path must mask or zero-fill.
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("pad_to", [8, 64])
+def test_tensor_descriptor_loads_match_pointer_loads(path, dtype, pad_to):
+    M, E, H, I, topk = 29, 5, 40, 20, 3
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=pad_to)
+    weights = prepare_weights(w1, w2, pad_to=pad_to)
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_H=16, path=path, S2_BLOCK_N=32, S2_BLOCK_K=16)
+    plain = fused_moe(x, weights, None, tw, ti, config=cfg, out=poisoned(M, H, dtype))
+    out = fused_moe(x, weights, None, tw, ti, config=replace(cfg, tma=True), out=poisoned(M, H, dtype))
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+    if DEVICE == "cpu":  # same loads, same order of adds under the interpreter
+        assert torch.equal(out, plain)
+
+
+def test_tma_config_hands_descriptors_to_every_weight_load():
+    from fmoe2.gemm.fused_moe import (TwoStageWorkspace, check_fused_moe_args, fused_kernel_launch,
+                                      stage2_kernel_launch)
+    from fmoe2.sorting import MoESortingResult
+
+    x, w1, w2, tw, ti = make_problem(9, 4, 40, 20, 2, torch.float16)
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_H=16, path="two_stage", tma=True)
+    for weights, expect in (((prepare_weights(w1, w2, pad_to=8), None), True), ((w1, w2), False)):
+        problem = check_fused_moe_args(x, *weights, tw, ti, "silu", None, None, cfg)
+        sorting = MoESortingResult.allocate(9 * 2, 4, 16, 9, x.device)
+        ws = TwoStageWorkspace.allocate(problem, sorting)
+        _, fused_args, _, _ = fused_kernel_launch(problem, x, sorting, "silu", cfg, "cuda")
+        _, s1_args, _, _ = fused_kernel_launch(problem, x, sorting, "silu", cfg, "cuda", ws)
+        _, s2_args, _, _ = stage2_kernel_launch(problem, x, sorting, ws, cfg, "cuda")
+        descs = [fused_args["w13_desc"], fused_args["w2_desc"], s1_args["w13_desc"], s2_args["a_desc"],
+                 s2_args["b_desc"]]
+        assert all((d is not None) == expect for d in descs), descs  # plain weights keep pointer loads
+        _, hip_args, _, _ = fused_kernel_launch(problem, x, sorting, "silu", cfg, "hip")
+        assert hip_args["w13_desc"] is None and hip_args["w2_desc"] is None  # ROCm keeps pointer loads
+
+
+def test_descriptors_only_where_the_copy_engine_takes_them():
+    from fmoe2.gemm.fused_moe import _descriptor
+
+    w = torch.zeros(2, 24, 40, dtype=torch.float16)
+    assert _descriptor(w, (16, 32)) is not None
+    assert _descriptor(w, (512, 32)) is None  # a block dimension over 256
+    assert _descriptor(torch.zeros(2, 24, 36, dtype=torch.float16), (16, 32)) is None  # 72-byte rows
+    assert _descriptor(w.view(-1)[1:1 + 23 * 40].view(23, 40), (16, 32)) is None  # base 2 bytes off 16

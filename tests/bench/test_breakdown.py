@@ -1,0 +1,52 @@
+"""The benchmark's per-launch breakdown (stage_times, report table), on the CPU interpreter."""
+import importlib
+import json
+
+import pytest
+import torch
+
+from fmoe2 import FusedMoEConfig, prepare_weights
+from fmoe2.bench.report import write_report
+from helpers import assert_matches_reference, make_problem, poisoned
+
+bench_main = importlib.import_module("fmoe2.bench.__main__")
+
+
+@pytest.mark.parametrize("path,names", [("fused", ["sort", "fused"]), ("two_stage", ["sort", "stage1", "stage2"])])
+def test_stage_times_runs_each_launch_of_the_forward(monkeypatch, path, names):
+    timed = []
+
+    def once(fn):  # stands in for the CUDA-graph timer: run the launch once, in the order asked
+        fn()
+        timed.append(fn)
+        return 1.0
+
+    monkeypatch.setattr(bench_main, "time_in_graph", once)
+    M, E, H, I, topk = 21, 4, 40, 24, 2
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=3)
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path=path)
+    out = poisoned(M, H, torch.float16)
+    times = bench_main.stage_times(x, prepare_weights(w1, w2), tw, ti, cfg, out)
+    assert list(times) == names and len(timed) == len(names)
+    # The sort zeroes out and the later launches add into it: timed in order they give the forward.
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+def test_report_breakdown_table(tmp_path):
+    common = dict(shape="s", E=4, H=8, I=8, topk=2, speedup=1.0, baseline_us=2.0, floor_us=1.0, fraction_of_floor=0.5,
+                  sort_us=1.0, sort_budget_us=10.0, fmoe2_default_config_us=2.0, fmoe2_rel_err=0.0,
+                  baseline_rel_err=0.0, fmoe2_config={})
+    rows = [dict(common, M=1, fmoe2_us=2.0, fmoe2_path="fused", flops=4e6, stage_us={"sort": 1.0, "fused": 1.0},
+                 dense_gemm_us=None),
+            dict(common, M=4096, fmoe2_us=300.0, fmoe2_path="two_stage", flops=3e12,
+                 stage_us={"sort": 10.0, "stage1": 200.0, "stage2": 100.0}, dense_gemm_us=200.0),
+            dict(common, M=8192, fmoe2_us=2.0, fmoe2_path="fused")]  # an older result without stage times
+    run = dict(device="GPU X", date="d", command="c", torch="t", triton="tr",
+               ceilings={"copy_bytes_per_s": 1e12, "bf16_flops_per_s": 1e15}, results=rows)
+    (tmp_path / "GPU_X__s.json").write_text(json.dumps(run))
+    write_report(str(tmp_path), "GPU_X", plot_dir=str(tmp_path))
+    md = (tmp_path / "GPU_X.md").read_text()
+    assert "| s | 1 | fused | 1.0 | 1.0, 4 | - | - | - |" in md
+    # stage 1: 2/3 of 3e12 flops in 200 us = 10000 TFLOP/s; stage 2: 1e12 in 100 us; dense: 3e12 in 200 us
+    assert "| s | 4096 | two_stage | 10.0 | 200.0, 10000 | 100.0, 10000 | 200.0, 15000 | 1.50x |" in md
+    assert "| s | 8192 |" not in md.split("## Where the time goes")[1]
