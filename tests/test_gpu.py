@@ -1,5 +1,7 @@
 """GPU tests (skipped without a GPU): bf16/fp16 on realistic shapes, large M, large sorts,
 CUDA-graph capture and replay."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -50,6 +52,38 @@ def test_odd_sizes_bf16():
     for weights, path in (((w1, w2), "fused"), ((prepare_weights(w1, w2), None), "two_stage")):
         out = fused_moe(x, *weights, tw, ti, out=poisoned(333, 1000, torch.bfloat16, "cuda"), path=path)
         assert rel_error(out, reference32(x, w1, w2, tw, ti)) <= REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("M", [1, 300, 4096])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tensor_descriptor_loads_bf16(shape, M, path):
+    # config.tma: weight tiles (and stage 2's y tiles) through tensor descriptors, the picked tiling otherwise.
+    E, H, I, topk = SHAPES[shape]
+    x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=M + 5)
+    cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=path), tma=True)
+    out = fused_moe(x, prepare_weights(w1, w2), None, tw, ti, config=cfg, out=poisoned(M, H, torch.bfloat16, "cuda"))
+    assert torch.isfinite(out).all()
+    err = rel_error(out, reference32(x, w1, w2, tw, ti))
+    assert err <= REL_TOL[torch.bfloat16], f"{shape} M={M} {path} tma: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_tensor_descriptor_loads_odd_sizes_and_graph(path):
+    # Padding to 8 elements: slices and K steps run past each expert's rows into the next expert's.
+    M, E, H, I, topk = 333, 7, 1000, 600, 3
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.bfloat16, device="cuda", seed=6)
+    prepared = prepare_weights(w1, w2, pad_to=8)
+    cfg = fmoe2.FusedMoEConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, BLOCK_H=128, path=path, tma=True)
+    out = torch.empty_like(x)
+    fused_moe(x, prepared, None, tw, ti, out=out, config=cfg)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, prepared, None, tw, ti, out=out, config=cfg)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and rel_error(out, reference32(x, w1, w2, tw, ti)) <= REL_TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("M,topk,E", [(65536, 8, 512), (65536, 2, 8), (16384, 6, 64), (1, 8, 512)])

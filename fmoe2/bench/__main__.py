@@ -5,11 +5,13 @@
     python -m fmoe2.bench --lora [--rank 16] [--num-loras 4] [--search]     (see fmoe2/bench/lora.py)
 
 Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
-get their best config from the same search space (``fmoe2/bench/search.py``), are checked against
-the float32 reference, then timed like vLLM's benchmark_moe.py (10 calls in one CUDA graph,
-CUDA events, median of replays). Everything a caller pays is inside the timed call. The same run
+get their best config from the same grid of tiles, warps and stages (``fmoe2/bench/search.py``;
+fmoe2 also searches its path and, on sm_90, tensor-descriptor loads), are checked against the
+float32 reference, then timed like vLLM's benchmark_moe.py (10 calls in one CUDA graph, CUDA
+events, median of replays). Everything a caller pays is inside the timed call. The same run
 measures the device ceilings (copy bandwidth, bf16 matmul rate) for the floor
-``max(bytes of the experts hit + activations / bandwidth, flops / rate)``.
+``max(bytes of the experts hit + activations / bandwidth, flops / rate)``, times each launch of
+fmoe2's forward alone and, at compute-bound points, the two GEMMs as dense cuBLAS batched products.
 Writes ``<out-dir>/<device>__<shape>.json`` and regenerates ``<out-dir>/<device>.md`` and the plots;
 ``python -m fmoe2.bench.report --write-configs`` turns fmoe2's searched configs into tuned files.
 """

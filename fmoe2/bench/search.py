@@ -46,7 +46,9 @@ def _grid(M: int, E: int, topk: int):
 
 def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
     """fmoe2 configs to try, after the picker's own clamps (duplicates removed): the fused path
-    always, the two-stage path once experts get more than 16 tokens each."""
+    always, the two-stage path once experts get more than 16 tokens each, and at decode sizes a few
+    two-stage configs with narrow slices (the fused path's slices stay wide because of the atomic-add
+    cap, which can leave multiprocessors idle: Qwen3 M=1 runs 96 fused programs on 132)."""
     hip = current_backend() == "hip"
     hip_opts = {"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}
     seen, out = set(), []
@@ -60,7 +62,13 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     for bm, bn, bk, warps, stages, group in _grid(M, E, topk):
         add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=64 if bn >= 256 else 128, GROUP_M=group,
                            num_warps=warps, num_stages=2 if hip else stages, **hip_opts))
-    if _regime(M, E, topk) != "decode":
+    if _regime(M, E, topk) == "decode":
+        for bn, s2_bn in itertools.product((32, 64), (64, 128)):
+            bk = 64 if hip else 128  # 2 stages of 128-wide K tiles would not fit gfx942's 64 KiB of LDS
+            add(FusedMoEConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=128, GROUP_M=1, num_warps=4,
+                               num_stages=2 if hip else 4, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=bk,
+                               S2_GROUP_M=1, s2_num_warps=4, s2_num_stages=2 if hip else 4, **hip_opts))
+    else:
         for bm, bn, s2_bn, s2_stages in itertools.product(block_m_candidates(M, E, topk), (64, 128), (128, 256),
                                                           (3, 4)):
             add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, BLOCK_H=128, GROUP_M=8, num_warps=8,

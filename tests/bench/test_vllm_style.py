@@ -25,7 +25,9 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         assert f and b
         assert {c.BLOCK_M for c in f} == {c[0].BLOCK_M for c in b} == set(block_m_candidates(M, E, topk))
         assert all(topk * -(-I // c.BLOCK_N) <= MAX_ATOMIC_ADDS for c in f if c.path == "fused")
-        assert any(c.path == "two_stage" for c in f) == (M * topk / E > 16)
+        two_stage = [c for c in f if c.path == "two_stage"]
+        assert two_stage  # at decode sizes too: a few narrow-slice configs (no atomic-add cap there)
+        assert (len(two_stage) <= 4) == (M * topk / E <= 16)
 
 
 @pytest.mark.parametrize("M,E,H,I,topk,rank", [(5, 4, 32, 24, 2, 8), (21, 3, 40, 20, 3, 16)])
