@@ -69,20 +69,13 @@ def test_tensor_descriptor_loads_bf16(shape, M, path):
 
 
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
-def test_tensor_descriptor_loads_odd_sizes_and_graph(path):
+def test_tensor_descriptor_loads_odd_sizes(path):
     # Padding to 8 elements: slices and K steps run past each expert's rows into the next expert's.
     M, E, H, I, topk = 333, 7, 1000, 600, 3
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.bfloat16, device="cuda", seed=6)
-    prepared = prepare_weights(w1, w2, pad_to=8)
     cfg = fmoe2.FusedMoEConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, BLOCK_H=128, path=path, tma=True)
-    out = torch.empty_like(x)
-    fused_moe(x, prepared, None, tw, ti, out=out, config=cfg)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_moe(x, prepared, None, tw, ti, out=out, config=cfg)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = fused_moe(x, prepare_weights(w1, w2, pad_to=8), None, tw, ti, config=cfg,
+                    out=poisoned(M, H, torch.bfloat16, "cuda"))
     assert torch.isfinite(out).all() and rel_error(out, reference32(x, w1, w2, tw, ti)) <= REL_TOL[torch.bfloat16]
 
 
@@ -112,18 +105,21 @@ def test_large_sorts_exact(M, topk, E):
     assert (res.sorted_weights[:total][~real] == 0).all()
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_cuda_graph_capture_and_replay(shape, path):
+def test_cuda_graph_capture_and_replay(shape, path, tma):
     M = 300
+    E, H, I, topk = SHAPES[shape]
     x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=11)
     prepared = prepare_weights(w1, w2)
+    cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=path), tma=tma)
     ref = reference32(x, w1, w2, tw, ti)
-    eager = fused_moe(x, prepared, None, tw, ti, path=path)
+    eager = fused_moe(x, prepared, None, tw, ti, config=cfg)
     out = torch.empty_like(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, prepared, None, tw, ti, out=out, path=path)
+        fused_moe(x, prepared, None, tw, ti, out=out, config=cfg)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
