@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import sys
 import time
-from typing import Callable, Iterable, List, Sequence, Tuple, TypeVar
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -93,7 +93,9 @@ def search_fmoe2(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
     best, us, results = search(fmoe2_candidates(M, E, H, I, topk, dtype), run, label)
     if has_tensor_copy_engine():
         fastest = [cfg for cfg, _ in sorted(results, key=lambda r: r[1])[:TMA_TWINS]]
-        _, _, twins = search([dataclasses.replace(cfg, tma=True) for cfg in fastest], run, label + " tma")
+        # Twins that fail (e.g. out of shared memory) are skipped like any candidate; none may run.
+        _, _, twins = search([dataclasses.replace(cfg, tma=True) for cfg in fastest], run, label + " tma",
+                             required=False)
         results = results + twins
         best, us = min(results, key=lambda r: r[1])
     return best, us, results
@@ -109,10 +111,12 @@ def baseline_candidates(M: int, E: int, topk: int) -> List[Tuple[GroupedGemmConf
 
 
 def search(candidates: Iterable[T], run: Callable[[T], Callable[[], object]], label: str = "",
-           calls_per_graph: int = 3, replays: int = 10) -> Tuple[T, float, List[Tuple[T, float]]]:
+           calls_per_graph: int = 3, replays: int = 10,
+           required: bool = True) -> Tuple[Optional[T], float, List[Tuple[T, float]]]:
     """Times each candidate (quickly) and returns (best, its time in us, all results).
 
-    Candidates that fail to compile or launch (e.g. out of shared memory) are skipped.
+    Candidates that fail to compile or launch (e.g. out of shared memory) are skipped; if none ran,
+    RuntimeError, or with ``required=False`` (None, inf, []).
     Progress goes to stderr as a one-line bar.
     """
     candidates = list(candidates)
@@ -131,6 +135,8 @@ def search(candidates: Iterable[T], run: Callable[[T], Callable[[], object]], la
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     if not results:
+        if not required:
+            return None, float("inf"), []
         raise RuntimeError(f"no candidate config ran for {label}")
     best, us = min(results, key=lambda r: r[1])
     return best, us, results

@@ -41,3 +41,28 @@ def test_baseline_lora_matches_reference(M, E, H, I, topk, rank):
     cfg = GroupedGemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
     out = vllm_style_fused_experts_lora(x, w1, w2, tw, ti, prepare_baseline_lora(lora), lora_ids, cfg, cfg)
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
+
+
+def test_tma_twins_that_all_fail_leave_the_pointer_load_pick(monkeypatch):
+    # On sm_90 the search retries its fastest configs with tma=True; if none of those runs (e.g. out of
+    # shared memory), the pick of the first search stands instead of the whole search failing.
+    import fmoe2.bench.search as search_mod
+
+    monkeypatch.setattr(search_mod, "has_tensor_copy_engine", lambda: True)
+    monkeypatch.setattr(search_mod, "time_in_graph", lambda fn, **kw: fn())
+
+    def run(cfg):
+        def timed():
+            if cfg.tma:
+                raise RuntimeError("out of resource: shared memory")
+            return float(cfg.BLOCK_N + cfg.BLOCK_K)
+        return timed
+
+    best, us, results = search_mod.search_fmoe2(1, 128, 2048, 768, 8, torch.bfloat16, run, "test")
+    assert not best.tma and us == min(t for _, t in results)
+
+    def run_tma_faster(cfg):
+        return lambda: float(cfg.BLOCK_N + cfg.BLOCK_K) - (1.0 if cfg.tma else 0.0)
+
+    best, us, results = search_mod.search_fmoe2(1, 128, 2048, 768, 8, torch.bfloat16, run_tma_faster, "test")
+    assert best.tma and len([c for c, _ in results if c.tma]) == search_mod.TMA_TWINS
