@@ -70,7 +70,7 @@ def dense_gemm_us(E, H, I, rows_per_expert, gen) -> float:
     """Calibration: the forward's two GEMMs as dense batched products through torch (cuBLAS) in bf16,
     ``rows_per_expert`` rows for each of the E experts (no gather, padding, activation or atomics):
     what a vendor GEMM library reaches at this size."""
-    opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)  # gen: its own, so the points' inputs stay put
     a, w13 = torch.randn(E, rows_per_expert, H, **opts), torch.randn(E, H, 2 * I, **opts)
     y, w2 = torch.randn(E, rows_per_expert, I, **opts), torch.randn(E, I, H, **opts)
     return time_in_graph(lambda: torch.bmm(a, w13)) + time_in_graph(lambda: torch.bmm(y, w2))
@@ -138,7 +138,8 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         t_sort = time_in_graph(lambda: fmoe2.moe_sorting(ti, tw, E, f_cfg.BLOCK_M, out=out))
         stages = stage_times(x, prepared, tw, ti, f_cfg, out)
         # Compute-bound points (>= 256 routed rows per expert): what cuBLAS reaches on the same GEMMs.
-        t_dense = dense_gemm_us(E, H, I, M * topk // E, gen) if M * topk >= 256 * E else None
+        dense_gen = torch.Generator(device="cuda").manual_seed(M)
+        t_dense = dense_gemm_us(E, H, I, M * topk // E, dense_gen) if M * topk >= 256 * E else None
         sort_budget = (10.0 if M * topk <= 8192 else 25.0) + M * H * 2 / ceilings["copy_bytes_per_s"] * 1e6
         row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, experts_hit=experts_hit,
                    fmoe2_us=t_f, fmoe2_path=f_cfg.path, fmoe2_fused_path_us=t_fused,

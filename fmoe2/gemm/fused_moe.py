@@ -154,11 +154,13 @@ TMA_MAX_BLOCK = 256  # largest tensor-descriptor block dimension (a hardware lim
 
 
 def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bool:
-    """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared weights
-    (rows padded to 16 bytes, as descriptors need) on CUDA. Triton lowers descriptors to the bulk
-    tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
-    load compiled to 2-byte loads, so HIP keeps its pointer loads."""
-    return config.tma and backend == "cuda" and problem.gate_up_interleaved
+    """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared 16-bit
+    weights (rows padded to 16 bytes, as descriptors need) on CUDA. Triton lowers descriptors to the
+    bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
+    load compiled to 2-byte loads, so HIP keeps its pointer loads. fp32 (a testing dtype) keeps
+    pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90."""
+    return (config.tma and backend == "cuda" and problem.gate_up_interleaved
+            and problem.x.dtype in (torch.bfloat16, torch.float16))
 
 
 def _descriptor(t: torch.Tensor, block) -> Optional[TensorDescriptor]:

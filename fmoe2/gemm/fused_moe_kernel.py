@@ -296,6 +296,10 @@ def _fused_moe_kernel(
     # The down GEMM is linear in y, so the routing weight is applied once here.
     y = _gated_activation(gate, up, ACTIVATION) * route_weight[:, None]
     y = y.to(x_ptr.dtype.element_ty)
+    if w13_desc is not None:
+        # Columns past I came from padding or the next expert's rows; w2 has zeros there, but a value
+        # that overflowed fp16 would still give inf * 0 = NaN in the down GEMM (the pointer path loads 0).
+        y = tl.where(n_valid[None, :], y, 0.0)
     if STORE_Y:
         # Padding rows hold zeros (their x rows and routing weights are 0), so no row mask.
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], y, mask=n_valid[None, :])

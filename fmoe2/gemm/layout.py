@@ -16,7 +16,9 @@ Prepared layout (:class:`PreparedMoEWeights`), both padded with zeros to ``pad_t
 
 Padding makes every row start 16-byte aligned whatever H and I are, so tile loads stay
 vectorised for odd sizes. Padding is zero and the kernel masks by the logical H and I, so the
-result is the same as with the plain layout.
+result is the same as with the plain layout (with ``FusedMoEConfig.tma`` the weight tiles are not
+masked: their padding meets zeros of x or y instead, so it must be finite, as the zeros written
+here are).
 """
 from __future__ import annotations
 
