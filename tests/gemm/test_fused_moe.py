@@ -292,3 +292,30 @@ def test_descriptors_only_where_the_copy_engine_takes_them():
     assert _descriptor(w, (512, 32)) is None  # a block dimension over 256
     assert _descriptor(torch.zeros(2, 24, 36, dtype=torch.float16), (16, 32)) is None  # 72-byte rows
     assert _descriptor(w.view(-1)[1:1 + 23 * 40].view(23, 40), (16, 32)) is None  # base 2 bytes off 16
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_gap_tiles_are_skipped(path):
+    # Gap tiles carry expert -1. Make one hold real tokens with weight 1 and let the memory just
+    # before expert 0's weights be an extra expert: a kernel that did not skip the tile would add
+    # that expert's output to those tokens.
+    from fmoe2.gemm.fused_moe import check_fused_moe_args, forward_launches
+
+    M, E, H, I = 5, 3, 32, 32
+    ids = torch.zeros(M, 1, dtype=torch.int32)  # every token on expert 0: tiles [0, -1, -1]
+    x, w1_all, w2_all, tw, ti = make_problem(M, E + 1, H, I, 1, torch.float16, seed=7, ids=ids + 1)
+    w1, w2 = w1_all[1:], w2_all[1:]  # contiguous views; "expert -1" is w1_all[0]
+    ti = ti - 1
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path=path)
+    out = poisoned(M, H, torch.float16)
+    problem = check_fused_moe_args(x, w1, w2, tw, ti, "silu", out, None, cfg)
+    launches = forward_launches(problem, x, tw, ti, "silu", out, None, cfg)
+    _, sort = launches[0]
+    sort()
+    sorting = sort.args[4]  # the MoESortingResult the later launches read
+    assert sorting.sorted_expert_ids[:3].tolist() == [0, -1, -1] and sorting.num_sorted_tiles.item() == 3
+    sorting.sorted_token_ids[16:16 + M] = torch.arange(M, dtype=torch.int32)
+    sorting.sorted_weights[16:16 + M] = 1.0
+    for _, launch in launches[1:]:
+        launch()
+    assert_matches_reference(out, x, w1, w2, tw, ti)

@@ -115,6 +115,36 @@ def test_experts_split_over_several_programs(num_parts, monkeypatch):
     assert (out == 0).all()
 
 
+@pytest.mark.parametrize("num_parts", [2, 3])
+def test_adapter_keyed_sort_split_over_several_programs(num_parts, monkeypatch):
+    # The baseline's LoRA alignment (keys adapter * E + expert, tokens without an adapter dropped)
+    # takes the same split as the plain sort: bit-identical to one program per key.
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_SCAN_BLOCK", 16)
+    M, topk, E, block_m, num_loras = 37, 2, 5, 16, 3
+    gen = torch.Generator().manual_seed(num_parts)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]).int().to(DEVICE)
+    w = torch.rand(M, topk, generator=gen).to(DEVICE)
+    lora_ids = torch.randint(-1, num_loras, (M,), generator=gen, dtype=torch.int32).to(DEVICE)
+    results = []
+    for parts in (1, num_parts):
+        res = MoESortingResult.allocate(M * topk, E * num_loras, block_m, M, ids.device)
+        launch_moe_sorting(ids, w, E, None, res, None, expanded_ids=True, token_lora_ids=lora_ids,
+                           num_loras=num_loras, num_parts=parts)
+        results.append(res)
+    for name in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded",
+                 "num_sorted_tiles"):
+        assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
+    # Every kept entry (token with an adapter) sits in a tile of its (adapter, expert) key.
+    res = results[0]
+    total = int(res.num_tokens_post_padded.item())
+    rows = res.sorted_token_ids[:total].long().cpu()
+    keys = res.sorted_expert_ids.repeat_interleave(block_m)[:total].long().cpu()
+    real = rows < M * topk
+    token, slot = rows[real] // topk, rows[real] % topk
+    assert torch.equal(keys[real], lora_ids.cpu().long()[token] * E + ids.cpu().long()[token, slot])
+    assert real.sum().item() == topk * (lora_ids >= 0).sum().item()
+
+
 def test_scatter_parts_rule():
     assert scatter_parts(64, 8, "cpu") == 1 and scatter_parts(64, 8, "meta") == 1
     if torch.cuda.is_available():
