@@ -131,6 +131,8 @@ def _report_cuda(compiled) -> dict:
         "atomic_instructions": atomics,
         "cas_loop": any(".CAS" in k for k in atomics),
         "tensor_copy_instructions": tensor_copies,  # UTMALDG: tiles loaded through tensor descriptors
+        # griddepcontrol.wait / .launch_dependents: programmatic dependent launch (FusedMoEConfig.pdl)
+        "grid_dependency_control": sorted(set(re.findall(r"griddepcontrol\.\w+", compiled.asm["ptx"]))),
     }
 
 
@@ -182,7 +184,7 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
 
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
-                   num_loras: int = 4, tma: bool = False) -> List[dict]:
+                   num_loras: int = 4, tma: bool = False, pdl: bool = False) -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
@@ -190,7 +192,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     With ``lora_rank`` > 0 the kernels carry ``num_loras`` adapters of that rank: ``fused_moe_lora``
     (the fused path), and where the picked config is two-stage, ``lora_delta13``,
     ``fused_moe_stage1_lora``, ``lora_delta2`` and ``moe_stage2`` instead of the plain stage 1.
-    ``tma`` compiles the configs with ``tma=True`` (weight tiles through tensor descriptors).
+    ``tma`` compiles the configs with ``tma=True`` (weight tiles through tensor descriptors), ``pdl``
+    with ``pdl=True`` (programmatic dependent launch).
     """
     target = TARGETS[target_name]
     backend = target.backend
@@ -209,14 +212,15 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     pick = dict(backend=backend, arch=target.arch if backend == "hip" else None)
     config = get_config(M, E, H, inter, topk, dtype, **pick)
     fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
-    if tma:
-        config, fused_config = replace(config, tma=True), replace(fused_config, tma=True)
+    pdl = pdl and backend == "cuda" and target.arch >= 90  # griddepcontrol needs sm_90 (the launcher checks the GPU)
+    config, fused_config = (replace(c, tma=c.tma or tma, pdl=c.pdl or pdl) for c in (config, fused_config))
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
     reports = []
     sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
-    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x)
+    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
+                                                            launch_dependents=pdl)
     reports.append({"kernel": "moe_sorting", **common,
                     **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
     grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, fused_config, backend)
@@ -263,6 +267,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-rank", type=int, default=0, help="also compile the fused kernel with LoRA of this rank")
     parser.add_argument("--num-loras", type=int, default=4, help="adapters with --lora-rank (default 4)")
     parser.add_argument("--tma", action="store_true", help="configs with tma=True (tensor-descriptor weight loads)")
+    parser.add_argument("--pdl", action="store_true", help="configs with pdl=True (programmatic dependent launch)")
     a = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
@@ -280,7 +285,7 @@ def main(argv=None) -> int:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
         for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
-                                     a.num_loras, a.tma):
+                                     a.num_loras, a.tma, a.pdl):
             print(json.dumps(report))
     return 0
 

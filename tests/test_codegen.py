@@ -84,6 +84,20 @@ def test_sm90_tma_configs_load_weights_through_the_copy_engine():
         assert no_spills(rep) and rep["shared_memory_bytes"] <= SM90_SHARED_MEMORY, (key, rep)
     plain = codegen("sm_90", "qwen3-30b-a3b", "4096")
     assert not plain[("moe_stage2", 4096)]["tensor_copy_instructions"]  # off unless asked for
+    assert all(not rep["grid_dependency_control"] for rep in plain.values())
+
+
+def test_sm90_pdl_configs_wait_for_the_previous_launch():
+    # pdl=True: every kernel launched as a programmatic dependent waits (griddepcontrol.wait) before it
+    # reads its predecessor's results, and the sort and stage 1 let their dependents start early.
+    r = codegen("sm_90", "qwen3-30b-a3b", "1,4096", "--pdl")
+    wait, early = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+    for key in (("fused_moe", 1), ("fused_moe", 4096), ("fused_moe_stage1", 4096), ("moe_stage2", 4096)):
+        assert wait in r[key]["grid_dependency_control"] and no_spills(r[key]), (key, r[key])
+    for key in (("moe_sorting", 1), ("moe_sorting", 4096), ("fused_moe_stage1", 4096)):
+        assert early in r[key]["grid_dependency_control"], (key, r[key])
+    rocm = codegen("gfx942", "qwen3-30b-a3b", "4096", "--pdl")  # ignored on ROCm: still compiles
+    assert ("moe_stage2", 4096) in rocm
 
 
 @pytest.mark.parametrize("shape,rank", [("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16), ("mixtral-8x7b", 64)])

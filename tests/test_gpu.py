@@ -105,15 +105,16 @@ def test_large_sorts_exact(M, topk, E):
     assert (res.sorted_weights[:total][~real] == 0).all()
 
 
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("tma,pdl", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_cuda_graph_capture_and_replay(shape, path, tma):
+def test_cuda_graph_capture_and_replay(shape, path, tma, pdl):
+    # tma: tensor-descriptor weight loads; pdl: launches after the sort start early and wait in-kernel.
     M = 300
     E, H, I, topk = SHAPES[shape]
     x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=11)
     prepared = prepare_weights(w1, w2)
-    cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=path), tma=tma)
+    cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=path), tma=tma, pdl=pdl)
     ref = reference32(x, w1, w2, tw, ti)
     eager = fused_moe(x, prepared, None, tw, ti, config=cfg)
     out = torch.empty_like(x)
@@ -189,8 +190,9 @@ def test_lora_bf16_odd_sizes_some_experts_and_baseline(path):
     assert rel_error(base, ref) <= REL_TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
-def test_lora_cuda_graph_follows_new_adapter_ids(path):
+def test_lora_cuda_graph_follows_new_adapter_ids(path, pdl):
     from helpers import make_lora, make_token_lora_ids
 
     E, H, I, topk = SHAPES["qwen3-30b-a3b"]
@@ -200,9 +202,12 @@ def test_lora_cuda_graph_follows_new_adapter_ids(path):
     lora = fmoe2.prepare_lora(make_lora(4, E, H, I, 16, torch.bfloat16, device="cuda"))
     lora_ids = torch.full((M,), -1, dtype=torch.int32, device="cuda")
     out = torch.empty_like(x)
+    # pdl on the two-stage path: stage 1 and 2 follow the (ordinary) LoRA delta launches.
+    cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=path), pdl=pdl)
+    fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids, config=cfg)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids, path=path)
+        fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids, config=cfg)
     for seed in (1, 2):
         lora_ids.copy_(make_token_lora_ids(M, 4, device="cuda", seed=seed))
         out.fill_(float("nan"))

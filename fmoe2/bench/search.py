@@ -80,23 +80,26 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
 TMA_TWINS = 3  # fastest pointer-load configs retried with tensor-descriptor loads
 
 
-def has_tensor_copy_engine() -> bool:
-    """CUDA GPU of compute capability >= 9, where Triton lowers tensor descriptors to TMA."""
+def cuda_sm90_or_newer() -> bool:
+    """A CUDA GPU of compute capability >= 9: tensor descriptors lower to TMA, PDL is there."""
     return current_backend() == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def search_fmoe2(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
                  run: Callable[[FusedMoEConfig], Callable[[], object]], label: str = ""):
-    """:func:`search` over :func:`fmoe2_candidates`, then, on GPUs with a tensor copy engine, over the
-    ``tma=True`` twins of the TMA_TWINS fastest (so the picked config says whether descriptors pay).
+    """:func:`search` over :func:`fmoe2_candidates`; then, on sm_90 and newer, over the ``tma=True``
+    twins of the TMA_TWINS fastest and the ``pdl=True`` twin of the best so far (so the picked config
+    says whether tensor descriptors and programmatic dependent launch pay).
     Returns (best, its time in us, all results)."""
     best, us, results = search(fmoe2_candidates(M, E, H, I, topk, dtype), run, label)
-    if has_tensor_copy_engine():
+    if cuda_sm90_or_newer():
         fastest = [cfg for cfg, _ in sorted(results, key=lambda r: r[1])[:TMA_TWINS]]
         # Twins that fail (e.g. out of shared memory) are skipped like any candidate; none may run.
         _, _, twins = search([dataclasses.replace(cfg, tma=True) for cfg in fastest], run, label + " tma",
                              required=False)
-        results = results + twins
+        best = min(results + twins, key=lambda r: r[1])[0]
+        _, _, pdl_twin = search([dataclasses.replace(best, pdl=True)], run, label + " pdl", required=False)
+        results = results + twins + pdl_twin
         best, us = min(results, key=lambda r: r[1])
     return best, us, results
 

@@ -68,6 +68,9 @@ class FusedMoEConfig:
     # Prepared weights' tiles through tensor descriptors (Hopper's bulk tensor copy engine) instead of
     # pointer loads; CUDA only (ignored on ROCm and with plain weights). Off until measured faster.
     tma: bool = False
+    # Programmatic dependent launch: each launch after the sort is scheduled while its predecessor
+    # runs and waits for its results in-kernel (hides launch gaps); CUDA sm_90+ only. Off until measured faster.
+    pdl: bool = False
     # ROCm only (ignored on CUDA, never passed to a CUDA launch):
     waves_per_eu: Optional[int] = None
     matrix_instr_nonkdim: Optional[int] = None

@@ -163,6 +163,16 @@ def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bo
             and problem.x.dtype in (torch.bfloat16, torch.float16))
 
 
+def pdl_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bool:
+    """Whether the launches after the sort are programmatic dependents (``config.pdl``): on CUDA GPUs
+    of compute capability 9 or newer (``griddepcontrol``), never under the interpreter (CPU) or on
+    ROCm. Meta tensors (``fmoe2.codegen``) take the config as given."""
+    device = problem.x.device
+    if not config.pdl or backend != "cuda" or device.type == "cpu":
+        return False
+    return device.type == "meta" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _descriptor(t: torch.Tensor, block) -> Optional[TensorDescriptor]:
     """Tensor descriptor of ``t`` ([E, rows, cols] viewed as [E * rows, cols], or 2-D) in ``block``
     tiles; None (the kernels then use pointer loads) where the copy engine cannot take it: a block
@@ -208,9 +218,15 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         HAS_LORA=problem.lora is not None,
         # Unused without adapters: a constant there, so a LoRA-fitted config adds no plain compile.
         LORA_STAGES=(config.lora_num_stages or config.num_stages) if problem.lora is not None else 1,
+        PDL=pdl_enabled(config, problem, backend),
         **lora_constexprs(problem.lora, problem.x.shape[0] * problem.topk, problem.num_experts),
     )
-    return grid, args, constexprs, config.launch_options(backend)
+    return grid, args, constexprs, {**config.launch_options(backend), **_pdl_option(constexprs["PDL"])}
+
+
+def _pdl_option(pdl: bool) -> dict:
+    """The launch option that goes with a PDL=True kernel (its gdc_wait makes the early start safe)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 LORA_STACK_WIDTH = 128  # max stacked gate+up shrink columns (LORA_SLOTS * 2 * padded rank)
@@ -321,8 +337,8 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
     )
     constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=True,
                       BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
-                      GROUP_M=config.S2_GROUP_M)
-    return grid, args, constexprs, config.launch_options(backend, stage2=True)
+                      GROUP_M=config.S2_GROUP_M, PDL=pdl_enabled(config, problem, backend))
+    return grid, args, constexprs, {**config.launch_options(backend, stage2=True), **_pdl_option(constexprs["PDL"])}
 
 
 def fused_moe(
@@ -408,8 +424,12 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
     M = hidden_states.shape[0]
     backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
+    # With PDL the fused kernel / stage 1 / stage 2 start while their predecessor runs and wait in-kernel;
+    # the sort and stage 1 signal them early. The LoRA delta kernels are ordinary launches (a dependent
+    # launched after one starts when it ends).
     launches = [("sort", functools.partial(launch_moe_sorting, topk_ids, topk_weights, problem.num_experts,
-                                           expert_map, sorting, out))]
+                                           expert_map, sorting, out,
+                                           launch_dependents=pdl_enabled(config, problem, backend)))]
 
     def add(name, kernel, launch):
         grid, args, constexprs, options = launch

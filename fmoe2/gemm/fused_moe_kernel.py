@@ -41,6 +41,7 @@ branch at run time to the plain loops. ``HAS_LORA=False`` compiles the plain ker
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .lora_kernel import _down_shrink, _expand_gate_up, _own_rows, _shrink_step, _split_gate_up, _stack, _tile_slots
 
@@ -200,6 +201,7 @@ def _fused_moe_kernel(
     LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
     LORA_STAGES: tl.constexpr,  # pipeline depth of the loops that carry adapter work (tiles without: num_stages)
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` or on a gap
     tile (expert -1) exit at once.
@@ -207,6 +209,9 @@ def _fused_moe_kernel(
     Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and
     no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
     """
+    if PDL:  # let stage 2 be scheduled, then wait until the previous launch's results (sort) are visible
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     num_slices = tl.cdiv(I, BLOCK_N)
     programs_per_group = GROUP_M * num_slices

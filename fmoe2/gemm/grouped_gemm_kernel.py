@@ -13,6 +13,7 @@ not gathered) come through them (Hopper's bulk tensor copy engine) instead of po
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -45,9 +46,12 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
 ):
     """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block);
     programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
+    if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
+        gdc_wait()
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     programs_per_group = GROUP_M * num_n_blocks

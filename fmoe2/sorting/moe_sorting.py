@@ -53,6 +53,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .._validation import (
     FLOAT_DTYPES,
@@ -164,10 +165,13 @@ def _moe_sorting_kernel(
     LORA_KEYS: tl.constexpr,  # sort by (adapter, expert): the baseline's LoRA alignment
     ZERO_OUT: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # the next launch is a programmatic dependent (CUDA sm_90+)
 ):
     """Grid: (NUM_EXPERTS * num_parts + num_zero_programs,). Programs ``e * num_parts + p`` sort
     expert e; the programs after them zero ``out`` (dispatched first, these delayed the sort: see
     the module docstring)."""
+    if LAUNCH_DEPENDENTS:  # let the next kernel be scheduled now; it waits for this one's results itself
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     expert = pid // num_parts
     part = pid % num_parts
@@ -325,14 +329,15 @@ def scatter_parts(num_keys: int, num_scan_steps: int, device) -> int:
 
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                           expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
-                          num_parts: Optional[int] = None):
+                          num_parts: Optional[int] = None, launch_dependents: bool = False):
     """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
 
     ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
     by the baseline in ``fmoe2.bench``; fmoe2 itself stores actual token ids. With
     ``token_lora_ids`` the sort keys are ``adapter * num_experts + expert`` (``num_loras *
     num_experts`` keys; ``result`` must be allocated for that many) and tokens without an adapter
-    are dropped: the baseline's LoRA alignment.
+    are dropped: the baseline's LoRA alignment. ``launch_dependents``: the next launch is a
+    programmatic dependent (``FusedMoEConfig.pdl``); the sort lets it be scheduled at once.
     """
     M, topk = topk_ids.shape
     num_entries = M * topk
@@ -375,18 +380,20 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         LORA_KEYS=token_lora_ids is not None,
         ZERO_OUT=num_zero_programs > 0,
         ZERO_BLOCK=ZERO_BLOCK,
+        LAUNCH_DEPENDENTS=launch_dependents,
     )
     return grid, args, constexprs, {"num_warps": SORT_NUM_WARPS}
 
 
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                        expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
-                       num_parts: Optional[int] = None) -> None:
+                       num_parts: Optional[int] = None, launch_dependents: bool = False) -> None:
     """Launches the sorting kernel into the preallocated ``result`` buffers.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
-                                                            out, expanded_ids, token_lora_ids, num_loras, num_parts)
+                                                            out, expanded_ids, token_lora_ids, num_loras, num_parts,
+                                                            launch_dependents)
     with on_device(topk_ids):
         _moe_sorting_kernel[grid](**args, **constexprs, **options)

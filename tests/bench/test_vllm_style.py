@@ -43,17 +43,17 @@ def test_baseline_lora_matches_reference(M, E, H, I, topk, rank):
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
 
 
-def test_tma_twins_that_all_fail_leave_the_pointer_load_pick(monkeypatch):
-    # On sm_90 the search retries its fastest configs with tma=True; if none of those runs (e.g. out of
-    # shared memory), the pick of the first search stands instead of the whole search failing.
+def test_tma_and_pdl_twins(monkeypatch):
+    # On sm_90 the search retries its fastest configs with tma=True and the best with pdl=True; if none
+    # of those runs (e.g. out of shared memory), the first search's pick stands (the search goes on).
     import fmoe2.bench.search as search_mod
 
-    monkeypatch.setattr(search_mod, "has_tensor_copy_engine", lambda: True)
+    monkeypatch.setattr(search_mod, "cuda_sm90_or_newer", lambda: True)
     monkeypatch.setattr(search_mod, "time_in_graph", lambda fn, **kw: fn())
 
     def run(cfg):
         def timed():
-            if cfg.tma:
+            if cfg.tma or cfg.pdl:
                 raise RuntimeError("out of resource: shared memory")
             return float(cfg.BLOCK_N + cfg.BLOCK_K)
         return timed
@@ -61,8 +61,10 @@ def test_tma_twins_that_all_fail_leave_the_pointer_load_pick(monkeypatch):
     best, us, results = search_mod.search_fmoe2(1, 128, 2048, 768, 8, torch.bfloat16, run, "test")
     assert not best.tma and us == min(t for _, t in results)
 
-    def run_tma_faster(cfg):
-        return lambda: float(cfg.BLOCK_N + cfg.BLOCK_K) - (1.0 if cfg.tma else 0.0)
+    def run_faster_with(cfg):
+        return lambda: float(cfg.BLOCK_N + cfg.BLOCK_K) - (1.0 if cfg.tma else 0.0) - (0.5 if cfg.pdl else 0.0)
 
-    best, us, results = search_mod.search_fmoe2(1, 128, 2048, 768, 8, torch.bfloat16, run_tma_faster, "test")
-    assert best.tma and len([c for c, _ in results if c.tma]) == search_mod.TMA_TWINS
+    best, us, results = search_mod.search_fmoe2(1, 128, 2048, 768, 8, torch.bfloat16, run_faster_with, "test")
+    assert best.tma and best.pdl  # the pdl twin is made of the best tma twin
+    assert len([c for c, _ in results if c.tma]) == search_mod.TMA_TWINS + 1
+    assert len([c for c, _ in results if c.pdl]) == 1

@@ -266,6 +266,13 @@ def test_tma_config_hands_descriptors_to_every_weight_load():
         assert all((d is not None) == expect for d in descs), descs  # plain weights keep pointer loads
         _, hip_args, _, _ = fused_kernel_launch(problem, x, sorting, "silu", cfg, "hip")
         assert hip_args["w13_desc"] is None and hip_args["w2_desc"] is None  # ROCm keeps pointer loads
+    # PDL: never under the interpreter or on ROCm (griddepcontrol is CUDA sm_90+); codegen's meta tensors take it.
+    from fmoe2.gemm.fused_moe import MoEProblem, pdl_enabled
+
+    pdl_cfg = replace(cfg, pdl=True)
+    assert not pdl_enabled(pdl_cfg, problem, "cuda") and not pdl_enabled(pdl_cfg, problem, "hip")
+    meta = MoEProblem(x.to("meta"), w1.to("meta"), w2.to("meta"), False, 4, 40, 20, 2)
+    assert pdl_enabled(pdl_cfg, meta, "cuda") and not pdl_enabled(cfg, meta, "cuda")
     x32, w1_32, w2_32 = x.float(), w1.float(), w2.float()
     problem = check_fused_moe_args(x32, prepare_weights(w1_32, w2_32, pad_to=8), None, tw, ti, "silu", None, None, cfg)
     sorting = MoESortingResult.allocate(9 * 2, 4, 16, 9, x.device)
@@ -273,6 +280,7 @@ def test_tma_config_hands_descriptors_to_every_weight_load():
     assert fp32_args["w13_desc"] is None  # fp32 keeps pointer loads (shared memory)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's fp16 overflow, on purpose
 def test_tensor_descriptor_path_keeps_nan_out_of_valid_columns():
     # The last slice's gate/up tile runs into the next expert's rows (I=20, padded to 24, BLOCK_N=16).
     # Values there that overflow fp16 must not reach the output as inf * 0 = NaN.
