@@ -50,3 +50,16 @@ def test_report_breakdown_table(tmp_path):
     # stage 1: 2/3 of 3e12 flops in 200 us = 10000 TFLOP/s; stage 2: 1e12 in 100 us; dense: 3e12 in 200 us
     assert "| s | 4096 | two_stage | 10.0 | 200.0, 10000 | 100.0, 10000 | 200.0, 15000 | 1.50x |" in md
     assert "| s | 8192 |" not in md.split("## Where the time goes")[1]
+
+
+def test_variants_cover_the_opt_in_features_and_decode_two_stage():
+    import fmoe2
+    from fmoe2.bench.variants import variants_of
+
+    E, H, I, topk = 128, 2048, 768, 8
+    decode = variants_of(fmoe2.get_config(1, E, H, I, topk, torch.bfloat16), 1, E, H, I, topk)
+    assert {"picked", "tma", "pdl", "tma+pdl"} <= set(decode)
+    assert decode["tma+pdl"].tma and decode["tma+pdl"].pdl and not decode["picked"].tma
+    assert any(c.path == "two_stage" and c.BLOCK_N <= 64 for c in decode.values())
+    large = variants_of(fmoe2.get_config(4096, E, H, I, topk, torch.bfloat16), 4096, E, H, I, topk)
+    assert set(large) == {"picked", "tma", "pdl", "tma+pdl"}
