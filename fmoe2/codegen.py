@@ -212,8 +212,10 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     pick = dict(backend=backend, arch=target.arch if backend == "hip" else None)
     config = get_config(M, E, H, inter, topk, dtype, **pick)
     fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
-    pdl = pdl and backend == "cuda" and target.arch >= 90  # griddepcontrol needs sm_90 (the launcher checks the GPU)
-    config, fused_config = (replace(c, tma=c.tma or tma, pdl=c.pdl or pdl) for c in (config, fused_config))
+    # griddepcontrol needs sm_90 (fused_moe checks the GPU; here the target decides, also for a tuned pdl=True)
+    sm90 = backend == "cuda" and target.arch >= 90
+    config, fused_config = (replace(c, tma=c.tma or tma, pdl=(c.pdl or pdl) and sm90) for c in (config, fused_config))
+    pdl = fused_config.pdl
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}

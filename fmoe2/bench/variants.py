@@ -9,13 +9,15 @@ variants, in one run, bf16:
 
 Same data and timing as ``python -m fmoe2.bench`` (fresh random bf16 data, softmax+top-k routing,
 10 calls per CUDA graph, median of CUDA-event-timed replays); every variant is checked against the
-float32 reference before it is timed. Writes ``<out-dir>/variants/<device>.json`` and ``.md``.
+float32 reference before it is timed. Writes ``<out-dir>/variants/<device>__<shape>.json`` and
+regenerates ``<out-dir>/variants/<device>.md`` from every such file of the device.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
+import glob
 import json
 import math
 import os
@@ -46,13 +48,15 @@ def variants_of(picked: fmoe2.FusedMoEConfig, M: int, E: int, H: int, I: int, to
     return out
 
 
-def _markdown(meta: dict, rows: list) -> str:
-    lines = [f"# fmoe2 opt-in variants on {meta['device']}", "",
-             f"- {meta['date']}, torch {meta['torch']}, Triton {meta['triton']}, `{meta['command']}`",
-             "- bf16, 10 calls per CUDA graph, CUDA events, median of 50 replays; ratio = variant / picked "
-             "(below 1: faster); picked = `fmoe2.get_config` on this device", "",
-             "| shape | M | variant | us | ratio | rel. err |", "|---|---|---|---|---|---|"]
-    for r in rows:
+def _markdown(runs: list) -> str:
+    """One table over the runs (each a shape's JSON: metadata and ``results``)."""
+    lines = [f"# fmoe2 opt-in variants on {runs[0]['device']}", "", "- runs (shape: date, versions, command):"]
+    lines += [f"  - {run['results'][0]['shape'] if run['results'] else '-'}: {run['date']}, torch {run['torch']}, "
+              f"Triton {run['triton']}, `{run['command']}`" for run in runs]
+    lines += ["- bf16, 10 calls per CUDA graph, CUDA events, median of 50 replays; ratio = variant / picked, "
+              "same run (below 1: faster); picked = `fmoe2.get_config` on this device at the time of the run", "",
+              "| shape | M | variant | us | ratio | rel. err |", "|---|---|---|---|---|---|"]
+    for r in (r for run in runs for r in run["results"]):
         us = f"{r['us']:.1f}" if r.get("us") else "-"
         ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
         err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else r.get("error", "-")[:60]
@@ -102,12 +106,23 @@ def main(argv=None) -> int:
     out_dir = os.path.join(a.out_dir, "variants")
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, device_config_name())
-    with open(base + ".json", "w") as f:
-        json.dump({**meta, "results": rows}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(_markdown(meta, rows))
-    print(f"wrote {base}.json and {base}.md")
+    for name in a.shapes.split(","):
+        with open(f"{base}__{name}.json", "w") as f:
+            json.dump({**meta, "results": [r for r in rows if r["shape"] == name]}, f, indent=1)
+    print(write_variants_report(out_dir, device_config_name()))
     return 0
+
+
+def write_variants_report(out_dir: str, device: str) -> str:
+    """``<out_dir>/<device>.md`` from every ``<out_dir>/<device>__*.json``."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out_dir, f"{device}__*.json"))):
+        with open(path) as f:
+            runs.append(json.load(f))
+    md_path = os.path.join(out_dir, f"{device}.md")
+    with open(md_path, "w") as f:
+        f.write(_markdown(runs))
+    return f"wrote {md_path}"
 
 
 if __name__ == "__main__":

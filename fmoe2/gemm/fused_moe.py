@@ -11,7 +11,8 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
+from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor,
+                           interpreter_enabled, on_device)
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
 from .config import PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config, get_config
@@ -165,10 +166,10 @@ def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bo
 
 def pdl_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bool:
     """Whether the launches after the sort are programmatic dependents (``config.pdl``): on CUDA GPUs
-    of compute capability 9 or newer (``griddepcontrol``), never under the interpreter (CPU) or on
-    ROCm. Meta tensors (``fmoe2.codegen``) take the config as given."""
+    of compute capability 9 or newer (``griddepcontrol``), never under the interpreter or on ROCm.
+    Meta tensors (``fmoe2.codegen``, which checks the target) take the config as given."""
     device = problem.x.device
-    if not config.pdl or backend != "cuda" or device.type == "cpu":
+    if not config.pdl or backend != "cuda" or device.type == "cpu" or interpreter_enabled():
         return False
     return device.type == "meta" or torch.cuda.get_device_capability(device)[0] >= 9
 

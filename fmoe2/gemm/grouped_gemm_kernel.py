@@ -13,7 +13,8 @@ not gathered) come through them (Hopper's bulk tensor copy engine) instead of po
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+
+from ..grid_dependency import gdc_wait
 
 
 @triton.jit

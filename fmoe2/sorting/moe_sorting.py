@@ -53,8 +53,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
+from ..grid_dependency import gdc_launch_dependents
 from .._validation import (
     FLOAT_DTYPES,
     ID_DTYPES,
