@@ -2,16 +2,16 @@
 and vs the vLLM-style path with separate shrink/expand kernels, end to end, bf16.
 
 Per shape and batch (default M = 1, 16, 128, 1024; rank 16; 4 adapters spread uniformly over the
-tokens, 20% of tokens without one), one fmoe2 config (the pick of :func:`fmoe2.get_config`, fused
-or two-stage as tuned, or the best LoRA config with ``--search``) serves every fmoe2 variant
-(``fused_moe`` passes it through ``fit_lora_config`` when adapters are given, as it does for
-every caller; that changes fused configs only), so the ratios isolate the LoRA work:
+tokens, 20% of tokens without one), each variant runs the config ``fused_moe`` picks for it
+(with ``--search``: the best LoRA config, for every variant):
 
-* ``plain``: ``fused_moe`` without adapters, on the config's path;
+* ``plain``: ``fused_moe`` without adapters (``get_config``, fused or two-stage as tuned);
 * ``lora``: mixed adapters; ``lora_none``: the adapters passed but every token -1;
-  ``lora_one``: one adapter for all tokens (base-weight traffic must not depend on the mix);
-* ``lora_fused``: where the config is two-stage, mixed adapters forced onto the fused path
-  (``get_config(path="fused")``), to compare the two LoRA paths in one run;
+  ``lora_one``: one adapter for all tokens (base-weight traffic must not depend on the mix); all
+  three on ``get_config(lora=True)``, the plain pick with its tiling fitted to the adapters' steps
+  and, at decode sizes, on the fused path where the plain pick is two-stage;
+* ``lora_other_path``: where the plain pick is two-stage, mixed adapters on the path the LoRA pick
+  did not take, to check that choice in the same run;
 * ``baseline`` / ``baseline_lora``: ``fmoe2/bench/vllm_style.py`` / ``vllm_style_lora.py``, base
   GEMM configs from this device's plain benchmark results (or searched when there are none).
 
@@ -95,10 +95,12 @@ def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_
             return lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, lora=lora_prepared,
                                            token_lora_ids=ids)
 
-        cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)
+        cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)  # what fused_moe runs without adapters
+        lora_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, lora=True)  # ... and with them
         if do_search:
             cfg, _, _ = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), lambda c: run_fmoe2(c, ids_mixed),
                                f"{name} M={M} fmoe2 lora")
+            lora_cfg = fit_lora_config(cfg)
         base_cfgs = _plain_baseline_configs(plain_dir, name, M)
         if base_cfgs is None:
             base_cfgs, _, _ = search(baseline_candidates(M, E, topk),
@@ -106,31 +108,34 @@ def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_
                                      f"{name} M={M} baseline")
 
         ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti, lora=lora, token_lora_ids=ids_mixed)
-        err_f = rel_err(run_fmoe2(cfg, ids_mixed)().clone(), ref)
+        err_f = rel_err(run_fmoe2(lora_cfg, ids_mixed)().clone(), ref)
         err_b = rel_err(vllm_style_fused_experts_lora(x, w1, w2, tw, ti, lora_base, ids_mixed, *base_cfgs), ref)
         t = dict(
             plain_us=time_in_graph(run_fmoe2(cfg)),
-            lora_us=time_in_graph(run_fmoe2(cfg, ids_mixed)),
-            lora_none_us=time_in_graph(run_fmoe2(cfg, ids_none)),
-            lora_one_us=time_in_graph(run_fmoe2(cfg, ids_one)),
+            lora_us=time_in_graph(run_fmoe2(lora_cfg, ids_mixed)),
+            lora_none_us=time_in_graph(run_fmoe2(lora_cfg, ids_none)),
+            lora_one_us=time_in_graph(run_fmoe2(lora_cfg, ids_one)),
             baseline_us=time_in_graph(lambda: vllm_style_fused_experts(x, w1, w2, tw, ti, *base_cfgs)),
             baseline_lora_us=time_in_graph(lambda: vllm_style_fused_experts_lora(x, w1, w2, tw, ti, lora_base,
                                                                                  ids_mixed, *base_cfgs)),
         )
         if cfg.path == "two_stage":
-            fused_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path="fused")
-            t["lora_fused_us"] = time_in_graph(run_fmoe2(fused_cfg, ids_mixed))
-        row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, path=cfg.path, rank=rank, num_loras=num_loras,
+            other = "fused" if lora_cfg.path == "two_stage" else "two_stage"
+            other_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=other, lora=True)
+            t["lora_other_path_us"] = time_in_graph(run_fmoe2(other_cfg, ids_mixed))
+        row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, path=cfg.path, lora_path=lora_cfg.path, rank=rank,
+                   num_loras=num_loras,
                    tokens_without_adapter=int((ids_mixed < 0).sum()), **t,
                    lora_over_plain=t["lora_us"] / t["plain_us"], none_over_plain=t["lora_none_us"] / t["plain_us"],
                    one_over_plain=t["lora_one_us"] / t["plain_us"],
                    speedup_vs_baseline_lora=t["baseline_lora_us"] / t["lora_us"],
                    baseline_lora_over_baseline=t["baseline_lora_us"] / t["baseline_us"],
                    fmoe2_rel_err=err_f, baseline_rel_err=err_b, fmoe2_config=cfg.to_dict(),
-                   fmoe2_lora_config=fit_lora_config(cfg).to_dict(),
+                   fmoe2_lora_config=lora_cfg.to_dict(),
                    baseline_config=base_cfgs[0].__dict__)
         rows.append(row)
-        print(f"{name:17s} M={M:5d} {cfg.path:9s} plain {t['plain_us']:8.1f}  lora {t['lora_us']:8.1f} ({row['lora_over_plain']:.2f}x)"
+        print(f"{name:17s} M={M:5d} {cfg.path:9s} plain {t['plain_us']:8.1f}  {lora_cfg.path:9s} lora {t['lora_us']:8.1f} "
+              f"({row['lora_over_plain']:.2f}x)"
               f"  none {row['none_over_plain']:.3f}x  one {row['one_over_plain']:.2f}x  baseline lora "
               f"{t['baseline_lora_us']:8.1f} ({row['speedup_vs_baseline_lora']:.2f}x)  err {err_f:.1e}/{err_b:.1e}",
               flush=True)
@@ -151,24 +156,31 @@ def write_lora_report(out_dir: str, device: str, plot_dir: str) -> str:
     lines = [f"# fmoe2 multi-LoRA benchmark on {head['device']}", "",
              f"- rank {r0['rank']}, {r0['num_loras']} adapters uniform over the tokens, about 20% of tokens without "
              "one; bf16; 10 calls per CUDA graph, CUDA events, median of 50 replays",
-             "- plain = fmoe2 without adapters on the config's path (path column); none = adapters passed, every "
-             "token -1; one = a single adapter for all tokens; one fmoe2 config per row (fused_moe passes a fused "
-             "config through fit_lora_config for the LoRA columns); LoRA fused = mixed adapters forced onto the "
-             "fused path where the config is two-stage", "- runs:"]
+             "- plain = fmoe2 without adapters on the path `get_config` picks (path column); LoRA, none (adapters "
+             "passed, every token -1) and one (a single adapter for all tokens) on the path `get_config(lora=True)` "
+             "picks (LoRA path column), as `fused_moe` runs them; other path = mixed adapters on the path the LoRA "
+             "pick did not take, where the plain pick is two-stage"]
+    if any("lora_path" not in r for run in runs for r in run["results"]):
+        lines.append("- results from before `get_config(lora=True)` (2026-11-23) ran the LoRA columns on the plain "
+                     "pick's path; their other path is the fused one")
+    lines.append("- runs:")
     for run in runs:
         lines.append(f"  - {', '.join(sorted({r['shape'] for r in run['results']}))}: {run['date']}, torch "
                      f"{run['torch']}, Triton {run['triton']}, `{run['command']}`")
     lines += ["",
-              "| shape | M | path | plain (us) | LoRA (us) | LoRA / plain | none / plain | one / plain | "
-              "LoRA fused path (us) | baseline (us) | baseline LoRA (us) | speedup vs baseline LoRA | "
+              "| shape | M | path | plain (us) | LoRA path | LoRA (us) | LoRA / plain | none / plain | one / plain | "
+              "LoRA, other path (us) | baseline (us) | baseline LoRA (us) | speedup vs baseline LoRA | "
               "rel. err fmoe2 / baseline |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         for r in run["results"]:
-            fused = f"{r['lora_fused_us']:.1f}" if "lora_fused_us" in r else "-"
-            lines.append(f"| {r['shape']} | {r['M']} | {r.get('path', 'fused')} | {r['plain_us']:.1f} | "
+            # Results from before get_config(lora=True) ran LoRA on the plain path and timed the fused one beside it.
+            other_us = r.get("lora_other_path_us", r.get("lora_fused_us"))
+            other = f"{other_us:.1f}" if other_us is not None else "-"
+            path = r.get("path", "fused")
+            lines.append(f"| {r['shape']} | {r['M']} | {path} | {r['plain_us']:.1f} | {r.get('lora_path', path)} | "
                          f"{r['lora_us']:.1f} | {r['lora_over_plain']:.2f}x | {r['none_over_plain']:.3f}x | "
-                         f"{r['one_over_plain']:.2f}x | {fused} | {r['baseline_us']:.1f} | {r['baseline_lora_us']:.1f} | "
+                         f"{r['one_over_plain']:.2f}x | {other} | {r['baseline_us']:.1f} | {r['baseline_lora_us']:.1f} | "
                          f"{r['speedup_vs_baseline_lora']:.2f}x | {r['fmoe2_rel_err']:.1e} / {r['baseline_rel_err']:.1e} |")
     md_path = os.path.join(out_dir, f"{device}.md")
     with open(md_path, "w") as f:
@@ -188,7 +200,7 @@ def write_lora_report(out_dir: str, device: str, plot_dir: str) -> str:
         axes[1].plot(ms, [r["speedup_vs_baseline_lora"] for r in rs], marker="o", label=rs[0]["shape"])
     axes[0].axhline(1.10, color="gray", linestyle="--", linewidth=1)
     axes[1].axhline(1.5, color="gray", linestyle="--", linewidth=1)
-    for ax, ylabel in zip(axes, ("LoRA time / plain time (same config)", "speedup vs vLLM-style LoRA path")):
+    for ax, ylabel in zip(axes, ("LoRA forward / plain forward", "speedup vs vLLM-style LoRA path")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens M")
         ax.set_ylabel(ylabel)

@@ -32,8 +32,9 @@ def _table(runs) -> str:
     for run in runs:
         for r in run["results"]:
             speedups.append(r["speedup"])
-            tma = " +tma" if r.get("fmoe2_config", {}).get("tma") else ""  # tensor-descriptor weight loads
-            lines.append(f"| {r['shape']} | {r['M']} | {r['fmoe2_us']:.1f} | {r.get('fmoe2_path', 'fused')}{tma} | "
+            # Opt-in features of the picked config: tensor-descriptor loads, programmatic dependent launch.
+            opts = "".join(f" +{k}" for k in ("tma", "pdl") if r.get("fmoe2_config", {}).get(k))
+            lines.append(f"| {r['shape']} | {r['M']} | {r['fmoe2_us']:.1f} | {r.get('fmoe2_path', 'fused')}{opts} | "
                          f"{r.get('fmoe2_fused_path_us', r['fmoe2_us']):.1f} | {r['baseline_us']:.1f} | "
                          f"{r['speedup']:.2f}x | {r['fraction_of_floor']:.0%} | {r['sort_us']:.1f} / "
                          f"{r['sort_budget_us']:.1f} | {r['fmoe2_default_config_us']:.1f} | "

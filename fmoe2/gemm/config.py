@@ -49,6 +49,13 @@ PIPELINE_ELEMENTS = {"cuda": 3 * 32768, "hip": 2 * 16384}
 MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
+# With adapters, a two-stage pick runs on the fused path up to this many routed rows per expert (M*topk/E).
+# The two-stage path's LoRA deltas come from _lora_delta_kernel, whose programs each run the shrink's whole
+# K loop (H, then I): at decode that serial loop, not the data, sets its time. H100, 2026-11-23, rank 16,
+# 4 adapters, Mixtral (tuned two-stage at every batch), mixed adapters fused vs two-stage: M=1 (0.25 rows
+# per expert) 245.6 vs 345.0 us, M=16 (4) 957.9 vs 1050.0 us; two-stage ahead from M=128 (32): 1173.5 vs
+# 1205.5 us, M=1024 (256) 2283.2 vs 3785.0 us (DeepSeek-V2-Lite M=1024 (96): 582.2 vs 833.8; Qwen3 (64): 669.2 vs 802.7).
+LORA_FUSED_MAX_TOKENS_PER_EXPERT = 16
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,7 @@ def get_config(
     path: str = "auto",
     config_dir: str = CONFIG_DIR,
     tuned: bool = True,
+    lora: bool = False,
 ) -> FusedMoEConfig:
     """Picks the fused-kernel config for one problem (see the module docstring).
 
@@ -246,7 +254,20 @@ def get_config(
     ``fmoe2.codegen`` passes them to pick configs for a GPU that is not there. ``path`` ("fused"
     or "two_stage") forces a path; the picked tiling is then refitted to it. ``tuned=False``
     skips tuned files: the shipped defaults, as on a GPU without a tuned file for the shape.
+    ``lora=True``: the config for a forward with adapters, passed through :func:`fit_lora_config`;
+    with ``path="auto"`` a two-stage pick runs fused up to ``LORA_FUSED_MAX_TOKENS_PER_EXPERT``
+    routed rows per expert (there the two-stage LoRA delta kernels cost more than they save).
     """
+    cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned)
+    if not lora:
+        return cfg
+    if path == "auto" and cfg.path == "two_stage" and M * topk / E <= LORA_FUSED_MAX_TOKENS_PER_EXPERT:
+        cfg = fit_config(cfg, H, I, topk, dtype, "fused", backend)
+    return fit_lora_config(cfg)
+
+
+def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:
+    """The plain pick of :func:`get_config`: tuned file (nearest batch) or the shipped default rules."""
     # Tuned files belong to the GPU that is here: not used when configs for another backend/arch are asked.
     foreign = (backend is not None and backend != current_backend()) or arch is not None
     backend = backend or current_backend()

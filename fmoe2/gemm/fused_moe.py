@@ -373,7 +373,8 @@ def fused_moe(
         expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1; tokens
             routed to other ranks' experts contribute nothing (their rows may stay zero).
         config: optional :class:`FusedMoEConfig` overriding :func:`fmoe2.get_config`.
-        path: ``"auto"`` (the config's path: tuned per device, batch and shape), ``"fused"``
+        path: ``"auto"`` (the config's path: tuned per device, batch and shape; with adapters, the
+            fused path at decode sizes, see :func:`fmoe2.get_config`), ``"fused"``
             (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
             the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
             atomic adds per output element; workspace ``y`` of at most
@@ -404,11 +405,11 @@ def fused_moe(
         return out
     if config is None:
         config = get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk, hidden_states.dtype,
-                            device=hidden_states.device, path=path)
+                            device=hidden_states.device, path=path, lora=problem.lora is not None)
     else:  # a caller's config is fitted like a picked one (clamps, atomic-add precision cap)
         config = fit_config(config, H, problem.intermediate_size, problem.topk, hidden_states.dtype, path)
-    if problem.lora is not None:
-        config = fit_lora_config(config)
+        if problem.lora is not None:
+            config = fit_lora_config(config)
     with on_device(hidden_states):
         for _, launch in forward_launches(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map,
                                           config):

@@ -122,3 +122,28 @@ def test_lora_stages_reach_only_the_lora_kernel():
     problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
     problem.token_lora_ids = torch.empty(M, dtype=torch.int32, device="meta")
     assert fused_kernel_launch(problem, problem.x, sorting, "silu", fitted, "cuda")[2]["LORA_STAGES"] == 3
+
+
+def test_lora_pick_runs_fused_at_decode_where_the_plain_pick_is_two_stage(tmp_path):
+    from fmoe2.gemm.config import LORA_FUSED_MAX_TOKENS_PER_EXPERT, fit_lora_config
+
+    d = tmp_path / device_config_name(torch.device("cpu"))
+    d.mkdir()
+    two = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_stages=4, path="two_stage")
+    (d / shape_file_name(8, 4096, 14336, 2, torch.bfloat16)).write_text(json.dumps({"1": two, "4096": two}))
+    pick = lambda M, **kw: get_config(M, 8, 4096, 14336, 2, torch.bfloat16, device=torch.device("cpu"),
+                                      config_dir=str(tmp_path), **kw)
+    edge = LORA_FUSED_MAX_TOKENS_PER_EXPERT * 8 // 2  # M with exactly that many routed rows per expert
+    for M in (1, 16, edge):
+        assert pick(M).path == "two_stage"
+        lora = pick(M, lora=True)
+        assert lora == fit_lora_config(pick(M, path="fused"))  # the fused refit, with the adapters' steps
+        assert lora.path == "fused" and 2 * -(-14336 // lora.BLOCK_N) <= 128  # precision cap of the fused path
+    assert pick(edge + 1, lora=True) == pick(edge + 1)  # past the crossover: two-stage, unchanged
+    assert pick(1, lora=True, path="two_stage").path == "two_stage"  # a forced path stays forced
+    # Fused picks only get the adapters' fit.
+    fused = dict(two, path="fused")
+    (d / shape_file_name(8, 512, 256, 2, torch.bfloat16)).write_text(json.dumps({"1": fused}))
+    plain = get_config(1, 8, 512, 256, 2, torch.bfloat16, device=torch.device("cpu"), config_dir=str(tmp_path))
+    assert get_config(1, 8, 512, 256, 2, torch.bfloat16, device=torch.device("cpu"), config_dir=str(tmp_path),
+                      lora=True) == fit_lora_config(plain)

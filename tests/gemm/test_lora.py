@@ -2,6 +2,7 @@
 GPU), on the fused and the two-stage path: mixed adapters, tokens without one, every rank,
 adapters on some experts only, odd sizes, layouts, and the argument checks."""
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -255,3 +256,21 @@ def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
     assert launches == [False, True]  # the gate/up and down delta launches of the two-stage LoRA path
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="fused")
     assert launches == [False, True]
+
+
+def test_auto_path_with_lora_at_decode_runs_fused_where_the_plain_pick_is_two_stage(monkeypatch):
+    M, E, H, I, topk = 3, 4, 32, 24, 2  # 1.5 routed rows per expert
+    config = importlib.import_module("fmoe2.gemm.config")
+    real_pick = config._pick_config
+    monkeypatch.setattr(config, "_pick_config", lambda *a: replace(real_pick(*a), path="two_stage"))
+    assert fmoe2.get_config(M, E, H, I, topk, torch.float16).path == "two_stage"
+    fm = importlib.import_module("fmoe2.gemm.fused_moe")
+    names = []
+    real_launches = fm.forward_launches
+    monkeypatch.setattr(fm, "forward_launches",
+                        lambda *a: (lambda ls: names.extend(n for n, _ in ls) or ls)(real_launches(*a)))
+    run_and_check(M, E, H, I, topk, 16, torch.float16, config=None)
+    assert names == ["sort", "fused"]  # adapters present: the fused path, no delta launches
+    names.clear()
+    run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="two_stage")
+    assert names == ["sort", "lora_delta13", "stage1", "lora_delta2", "stage2"]  # a forced path stays forced

@@ -1,0 +1,33 @@
+"""The LoRA benchmark's report: the LoRA pick's path, the other path's time, and results from before it."""
+import json
+
+from fmoe2.bench.lora import write_lora_report
+
+
+def _row(M, path, **extra):
+    return dict(shape="tiny", M=M, path=path, rank=16, num_loras=4, plain_us=100.0, lora_us=110.0,
+                lora_over_plain=1.1, none_over_plain=1.01, one_over_plain=1.05, baseline_us=120.0,
+                baseline_lora_us=200.0, speedup_vs_baseline_lora=200 / 110, fmoe2_rel_err=1e-2, baseline_rel_err=5e-3,
+                **extra)
+
+
+def _write(tmp_path, device, rows):
+    run = dict(device=device, date="2026-11-23", torch="2.11", triton="3.6", command="python -m fmoe2.bench --lora",
+               results=rows)
+    (tmp_path / f"{device}__tiny.json").write_text(json.dumps(run))
+    write_lora_report(str(tmp_path), device, str(tmp_path))
+    return (tmp_path / f"{device}.md").read_text()
+
+
+def test_lora_report_shows_the_lora_path_and_the_other_path(tmp_path):
+    md = _write(tmp_path, "GPU", [_row(1, "two_stage", lora_path="fused", lora_other_path_us=150.0),
+                                  _row(16, "fused", lora_path="fused")])
+    assert "| tiny | 1 | two_stage | 100.0 | fused | 110.0 | 1.10x |" in md
+    assert "| 150.0 |" in md and "| tiny | 16 | fused | 100.0 | fused | 110.0 |" in md
+    assert "results from before" not in md
+
+
+def test_lora_report_reads_results_from_before_the_lora_pick(tmp_path):
+    md = _write(tmp_path, "OLD", [_row(1, "two_stage", lora_fused_us=150.0)])
+    assert "| tiny | 1 | two_stage | 100.0 | two_stage | 110.0 |" in md and "| 150.0 |" in md
+    assert "results from before `get_config(lora=True)`" in md
