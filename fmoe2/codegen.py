@@ -32,13 +32,13 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm.config import fit_lora_config, get_config
-from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_delta_launch,
-                             stage2_kernel_launch)
+from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_expand_launch,
+                             lora_shrink_launch, stage2_kernel_launch)
 from .gemm.fused_moe_kernel import _fused_moe_kernel
 from .gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
-from .gemm.lora_kernel import _lora_delta_kernel
+from .gemm.lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 from .shapes import SHAPES
 from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sorting_kernel_launch
 
@@ -190,8 +190,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
     and ``fused_moe_stage1`` and ``moe_stage2`` too when the picked config uses the two-stage path.
     With ``lora_rank`` > 0 the kernels carry ``num_loras`` adapters of that rank: ``fused_moe_lora``
-    (the fused path), and where the picked config is two-stage, ``lora_delta13``,
-    ``fused_moe_stage1_lora``, ``lora_delta2`` and ``moe_stage2`` instead of the plain stage 1.
+    (the fused path), and where the picked config is two-stage, ``lora_shrink13``, ``lora_expand13``,
+    ``fused_moe_stage1_lora``, ``lora_shrink2``, ``lora_expand2`` and ``moe_stage2`` instead of the
+    plain stage 1.
     ``tma`` compiles the configs with ``tma=True`` (weight tiles through tensor descriptors), ``pdl``
     with ``pdl=True`` (programmatic dependent launch).
     """
@@ -214,6 +215,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
     # griddepcontrol needs sm_90 (fused_moe checks the GPU; here the target decides, also for a tuned pdl=True)
     sm90 = backend == "cuda" and target.arch >= 90
+    cuda_arch = target.arch if backend == "cuda" else None
     config, fused_config = (replace(c, tma=c.tma or tma, pdl=(c.pdl or pdl) and sm90) for c in (config, fused_config))
     pdl = fused_config.pdl
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
@@ -243,10 +245,15 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta")
         workspace = TwoStageWorkspace.allocate(problem, sorting)
         if problem.lora is not None:
-            for down, kernel in ((False, "lora_delta13"), (True, "lora_delta2")):
-                grid, args, constexprs, options = lora_delta_launch(problem, sorting, workspace, x, down)
-                reports.append({"kernel": kernel, **common, "config": config.to_dict(),
-                                **_compile(_lora_delta_kernel, grid, args, constexprs, options, target)})
+            for down, part in ((False, "13"), (True, "2")):
+                for name, kernel, launch in (
+                        ("lora_shrink", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down,
+                                                                                 backend, cuda_arch)),
+                        ("lora_expand", _lora_expand_kernel, lora_expand_launch(problem, sorting, workspace, x, down,
+                                                                                 backend, cuda_arch))):
+                    grid, args, constexprs, options = launch
+                    reports.append({"kernel": name + part, **common, "config": config.to_dict(),
+                                    **_compile(kernel, grid, args, constexprs, options, target)})
         grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, config, backend,
                                                               workspace)
         reports.append({"kernel": "fused_moe_stage1" + suffix, **common, "config": config.to_dict(),

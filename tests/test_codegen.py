@@ -137,12 +137,19 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
     plain, lora = reports["fused_moe_stage1"], reports["fused_moe_stage1_lora"]
     assert lora["shared_memory_bytes"] == plain["shared_memory_bytes"], (plain, lora)
     assert lora["registers"] <= plain["registers"] + 16 and no_spills(lora), (plain, lora)
-    for kernel in ("lora_delta13", "lora_delta2"):
-        assert reports[kernel]["shared_memory_bytes"] <= SM90_SHARED_MEMORY
+    for kernel in ("lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2"):
+        rep = reports[kernel]
+        assert rep["shared_memory_bytes"] <= SM90_SHARED_MEMORY, rep
+        # 4 warps and 4 stages ran the four LoRA launches 1.4-1.5x faster than 8 warps and 2 stages on
+        # the H100, though the gate/up expand then spills 10 instructions at 64-row tiles
+        # (lora_kernel_options); nothing more may spill.
+        max_spills = 16 if kernel == "lora_expand13" else 0
+        assert rep["local_memory_bytes"] == 0 and rep["spill_instructions"] <= max_spills, rep
     proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", "gfx942", "--shape", shape, "--m", "1024",
                            "--lora-rank", "16"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rocm = [r for r in map(json.loads, proc.stdout.splitlines()) if "lora" in r["kernel"]]
-    assert {r["kernel"] for r in rocm} == {"fused_moe_lora", "lora_delta13", "fused_moe_stage1_lora", "lora_delta2"}
+    assert {r["kernel"] for r in rocm} == {"fused_moe_lora", "lora_shrink13", "lora_expand13", "fused_moe_stage1_lora",
+                                           "lora_shrink2", "lora_expand2"}
     for rep in rocm:
         assert rep["lds_bytes"] <= 64 * 1024 and no_spills(rep), rep

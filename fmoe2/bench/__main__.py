@@ -29,7 +29,7 @@ import torch
 import triton
 
 import fmoe2
-from fmoe2.gemm.config import device_config_name, fit_config
+from fmoe2.gemm.config import device_config_name, fit_config, fit_lora_config
 from fmoe2.gemm.fused_moe import check_fused_moe_args, forward_launches
 from fmoe2.shapes import SHAPES
 
@@ -55,11 +55,15 @@ def measure_ceilings() -> dict:
     return {"copy_bytes_per_s": 2 * n / (copy_us * 1e-6), "bf16_flops_per_s": 2 * 8192**3 / (mm_us * 1e-6)}
 
 
-def stage_times(x, weights, topk_weights, topk_ids, config, out) -> dict:
+def stage_times(x, weights, topk_weights, topk_ids, config, out, lora=None, token_lora_ids=None) -> dict:
     """Median us of each launch of fmoe2's forward alone (names from ``forward_launches``: sort, fused
-    or stage1/stage2), each in its own graph, on the buffers one full forward leaves behind."""
-    problem = check_fused_moe_args(x, weights, None, topk_weights, topk_ids, "silu", out, None, config)
+    or stage1/stage2, and with adapters the two-stage path's lora_shrink/lora_expand launches), each
+    in its own graph, on the buffers one full forward leaves behind."""
+    problem = check_fused_moe_args(x, weights, None, topk_weights, topk_ids, "silu", out, None, config,
+                                   lora=lora, token_lora_ids=token_lora_ids)
     config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, x.dtype)
+    if lora is not None:
+        config = fit_lora_config(config)
     launches = forward_launches(problem, x, topk_weights, topk_ids, "silu", out, None, config)
     for _, launch in launches:  # every launch then finds the buffers it reads filled
         launch()

@@ -72,7 +72,7 @@ def _plain_baseline_configs(plain_dir, name, M):
 
 def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_fraction=0.2, do_search=False,
                      plain_dir=os.path.join("misc", "bench")):
-    from .__main__ import make_inputs, rel_err
+    from .__main__ import make_inputs, rel_err, stage_times
 
     E, H, I, topk = shape
     w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
@@ -119,6 +119,8 @@ def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_
             baseline_lora_us=time_in_graph(lambda: vllm_style_fused_experts_lora(x, w1, w2, tw, ti, lora_base,
                                                                                  ids_mixed, *base_cfgs)),
         )
+        t["lora_launch_us"] = stage_times(x, prepared, tw, ti, lora_cfg, out, lora=lora_prepared,
+                                          token_lora_ids=ids_mixed)
         if cfg.path == "two_stage":
             other = "fused" if lora_cfg.path == "two_stage" else "two_stage"
             other_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=other, lora=True)
@@ -182,6 +184,13 @@ def write_lora_report(out_dir: str, device: str, plot_dir: str) -> str:
                          f"{r['lora_us']:.1f} | {r['lora_over_plain']:.2f}x | {r['none_over_plain']:.3f}x | "
                          f"{r['one_over_plain']:.2f}x | {other} | {r['baseline_us']:.1f} | {r['baseline_lora_us']:.1f} | "
                          f"{r['speedup_vs_baseline_lora']:.2f}x | {r['fmoe2_rel_err']:.1e} / {r['baseline_rel_err']:.1e} |")
+    launches = [(r["shape"], r["M"], r["lora_launch_us"]) for run in runs for r in run["results"]
+                if r.get("lora_launch_us")]
+    if launches:
+        lines += ["", "Launches of the mixed-adapter forward (LoRA path), each timed alone in its own graph (us):", "",
+                  "| shape | M | launches |", "|---|---|---|"]
+        lines += [f"| {shape} | {M} | " + ", ".join(f"{name} {us:.1f}" for name, us in times.items()) + " |"
+                  for shape, M, times in launches]
     md_path = os.path.join(out_dir, f"{device}.md")
     with open(md_path, "w") as f:
         f.write("\n".join(lines) + "\n")

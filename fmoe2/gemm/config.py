@@ -50,12 +50,11 @@ MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
 # With adapters, a two-stage pick runs on the fused path up to this many routed rows per expert (M*topk/E).
-# The two-stage path's LoRA deltas come from _lora_delta_kernel, whose programs each run the shrink's whole
-# K loop (H, then I): at decode that serial loop, not the data, sets its time. H100, 2026-11-23, rank 16,
-# 4 adapters, Mixtral (tuned two-stage at every batch), mixed adapters fused vs two-stage: M=1 (0.25 rows
-# per expert) 245.6 vs 345.0 us, M=16 (4) 957.9 vs 1050.0 us; two-stage ahead from M=128 (32): 1173.5 vs
-# 1205.5 us, M=1024 (256) 2283.2 vs 3785.0 us (DeepSeek-V2-Lite M=1024 (96): 582.2 vs 833.8; Qwen3 (64): 669.2 vs 802.7).
-LORA_FUSED_MAX_TOKENS_PER_EXPERT = 16
+# H100, 2026-11-23, rank 16, 4 adapters, Mixtral (tuned two-stage at every batch), mixed adapters, fused
+# vs two-stage with the split shrink/expand LoRA kernels: M=1 (0.25 rows per expert) 260.7 vs 270.3 us;
+# two-stage ahead from M=16 (4): 974.8 vs 1007.1 us, M=128 (32) 1106 vs 1241 us. (With the earlier
+# one-kernel deltas, whose programs each walked the whole shrink, two-stage was behind up to M=16.)
+LORA_FUSED_MAX_TOKENS_PER_EXPERT = 1
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
     """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
     Two-stage configs come back unchanged: their loops carry no adapter work (the deltas come from
-    ``_lora_delta_kernel``, see ``fmoe2/gemm/lora_kernel.py``).
+    ``_lora_shrink_kernel`` and ``_lora_expand_kernel``, see ``fmoe2/gemm/lora_kernel.py``).
 
     Tiles without adapters run the plain loops with the config's num_stages; only the loops that
     carry adapter work get ``lora_num_stages``. Measured with ``python -m fmoe2.codegen --target
@@ -256,7 +255,7 @@ def get_config(
     skips tuned files: the shipped defaults, as on a GPU without a tuned file for the shape.
     ``lora=True``: the config for a forward with adapters, passed through :func:`fit_lora_config`;
     with ``path="auto"`` a two-stage pick runs fused up to ``LORA_FUSED_MAX_TOKENS_PER_EXPERT``
-    routed rows per expert (there the two-stage LoRA delta kernels cost more than they save).
+    routed rows per expert (there the two-stage path's four LoRA launches cost more than they save).
     """
     cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned)
     if not lora:

@@ -1,6 +1,6 @@
 """Public ``fused_moe``: argument checks, config pick, then the launches: sort + fused kernel
 (fused path, zero workspace) or sort + stage 1 + stage 2 (two-stage path; with adapters, a LoRA
-delta kernel runs before stage 1 and another before stage 2)."""
+shrink and expand run before stage 1 and again before stage 2)."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +20,7 @@ from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
-from .lora_kernel import _lora_delta_kernel
+from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 
 
 @dataclass
@@ -136,7 +136,12 @@ class TwoStageWorkspace:
     # [rows, I] view of a [rows, I rounded up to 8] buffer (16-byte rows, for tensor descriptors), input
     # dtype: activated intermediate, routing weight applied
     y: torch.Tensor
-    lora_delta13: Optional[torch.Tensor] = None  # [rows, 2I] input dtype: gate then up LoRA deltas (adapters only)
+    # With adapters: partial shrinks [splits, rows, 2R] / [splits, rows, R] float32 (R the padded rank)
+    # of the gate/up and the down deltas, and the gate/up deltas [rows, 2I] (input dtype, gate then up);
+    # only rows with an adapter are written and read.
+    lora_shrink13: Optional[torch.Tensor] = None
+    lora_shrink2: Optional[torch.Tensor] = None
+    lora_delta13: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, problem: MoEProblem, sorting: MoESortingResult) -> "TwoStageWorkspace":
@@ -147,7 +152,11 @@ class TwoStageWorkspace:
         y = torch.empty(rows, -(-inter // 8) * 8, dtype=x.dtype, device=x.device)[:, :inter]
         ws = cls(y=y)
         if problem.lora is not None:
-            ws.lora_delta13 = torch.empty(rows, 2 * problem.intermediate_size, dtype=x.dtype, device=x.device)
+            tiles, R = grid_tiles(problem, sorting), problem.lora.padded_rank
+            for name, K, parts in (("lora_shrink13", problem.hidden_size, 2), ("lora_shrink2", inter, 1)):
+                splits = lora_shrink_splits(tiles, K, x.device)
+                setattr(ws, name, torch.empty(splits, rows, parts * R, dtype=torch.float32, device=x.device))
+            ws.lora_delta13 = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
         return ws
 
 
@@ -271,51 +280,118 @@ def _lora_args(problem: MoEProblem, out: torch.Tensor) -> dict:
     return args
 
 
-# _lora_delta_kernel launch, from a sweep on the H100 (M=1024, the three benchmark shapes, BLOCK_N
-# and BLOCK_K in 64/128/256, 4 or 8 warps, 1-4x the programs per tile): 128/128 with 4 warps was best
-# or within 20% of best everywhere (gate/up deltas: Qwen3 79 vs 107 us at 64/64; Mixtral 101 vs 218).
-LORA_DELTA_BLOCK_K = 128  # shrink step
-LORA_DELTA_BLOCK_N = 128  # expand columns per step
+# Two-stage LoRA kernels (lora_kernel.py). The shrink's BLOCK_K from a sweep of the earlier one-kernel
+# form on the H100 (M=1024, three shapes, 64/128/256). Expand BLOCK_N and the programs per multiprocessor
+# from a sweep on the H100 (2026-11-23; rank 16, 4 adapters, mixed; Mixtral M=1-1024, Qwen3 and
+# DeepSeek M=16-1024; BLOCK_N 64/128 x expand 1/2/4 x shrink 1/2 programs per SM): 128 / 2 / 2 was best
+# or within 2% of best at every point; BLOCK_N=64 was up to 2.5% slower, and one program per SM for both
+# up to 6% slower (Qwen3 M=16: 331.7 vs 312.5 us).
+LORA_BLOCK_K = 64  # shrink step
+LORA_SHRINK_PROGRAMS_PER_SM = 2
+LORA_EXPAND_PROGRAMS_PER_SM = 2
+LORA_MAX_SHRINK_SPLITS = 16  # every expand program reads and sums this many partial shrinks
 
 
-def lora_delta_splits(num_grid_tiles: int, num_columns: int, device) -> int:
-    """Programs per tile of ``_lora_delta_kernel``: about one program per multiprocessor in all, at
-    most one per BLOCK_N columns. Each split repeats the tile's shrink, so more cost more: on the
-    H100, doubling the splits made the Mixtral M=1024 deltas 1.4-1.9x slower. Off-GPU (the
-    interpreter) up to 8 programs, so small tests split too."""
+def lora_kernel_options(block_m: int, backend: str, cuda_arch: Optional[int]) -> dict:
+    """Warps and pipeline stages of the two-stage LoRA kernels (``cuda_arch``: e.g. 90; None: unknown).
+
+    CUDA sm_90 and newer (and an unknown GPU): 4 warps and 4 stages up to 64-row tiles, 8 warps for
+    128 rows. H100 sweep (2026-11-23, the four LoRA launches summed, Qwen3 / DeepSeek M=1024, Mixtral
+    M=128; 4 or 8 warps x 2-4 stages x shrink BLOCK_K 64/128): 4 warps, 4 stages, BLOCK_K=64 took
+    114.8 / 77.3 / 45.0 us against 172.7 / 107.9 / 62.6 with 8 warps, 2 stages, BLOCK_K=128. That
+    holds though the sm_90 gate/up expand then spills 10 instructions at 64-row tiles; at 128 rows 4
+    warps spilled hundreds. Older CUDA GPUs (not measured): 8 warps, 2 stages, where sm_80 code has
+    no spills (with 4 warps the sm_80 down expand spilled 280 instructions at 64-row tiles). HIP:
+    8 warps, 2 stages (4 stages of the shrink's tiles would not fit gfx942's 64 KiB of LDS;
+    compiled without spills, see ``fmoe2.codegen``)."""
+    if backend == "hip" or (cuda_arch is not None and cuda_arch < 90):
+        return {"num_warps": 8, "num_stages": 2}
+    return {"num_warps": 4 if block_m <= 64 else 8, "num_stages": 4}
+
+
+def cuda_arch_of(device) -> Optional[int]:
+    """Compute capability as 10 * major + minor of a CUDA device; None for CPU or meta tensors."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreter_enabled():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def lora_expand_block_n(block_m: int, backend: str) -> int:
+    """Expand columns per step: 128, or 64 where 128 spilled with 8 warps: 128-row tiles on sm_80 (80
+    and 328 spill instructions, gate/up and down), 32-row gate/up tiles on gfx942 (65 VGPR spills)."""
+    return 64 if block_m >= 128 or backend == "hip" else 128
+
+
+def lora_splits(num_grid_tiles: int, length: int, block: int, programs_per_sm: int, device) -> int:
+    """Programs per tile sharing a loop of ``length`` in ``block`` steps: about ``programs_per_sm``
+    programs per multiprocessor in all (off-GPU, the interpreter, 8 in all, so small tests split
+    too), at most one per step."""
     device = torch.device(device)
     if device.type == "cuda":
-        target = torch.cuda.get_device_properties(device).multi_processor_count
+        target = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 8
-    return max(1, min(triton.cdiv(num_columns, LORA_DELTA_BLOCK_N), triton.cdiv(target, num_grid_tiles)))
+    return max(1, min(triton.cdiv(length, block), triton.cdiv(target, num_grid_tiles)))
 
 
-def lora_delta_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace,
-                      out: torch.Tensor, down: bool):
+def lora_shrink_splits(num_grid_tiles: int, K: int, device) -> int:
+    """Splits of the shrink's K loop (H or I), hence partial shrinks per row in the workspace."""
+    return min(LORA_MAX_SHRINK_SPLITS, lora_splits(num_grid_tiles, K, LORA_BLOCK_K, LORA_SHRINK_PROGRAMS_PER_SM, device))
+
+
+
+
+def _lora_operands(problem: MoEProblem, workspace: TwoStageWorkspace, down: bool):
+    """(shrink input, A, B, partial-shrink workspace, K, N) of the gate/up or the down deltas."""
+    lora = problem.lora
+    if down:
+        return workspace.y, lora.a2, lora.b2, workspace.lora_shrink2, problem.intermediate_size, problem.hidden_size
+    return problem.x, lora.a13, lora.b13, workspace.lora_shrink13, problem.hidden_size, problem.intermediate_size
+
+
+def lora_shrink_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace, down: bool,
+                       backend: str, cuda_arch: Optional[int]):
+    """Two-stage path with adapters: the partial shrinks ``x @ A13^T`` (before stage 1) or, with
+    ``down``, ``y @ A2^T`` (after stage 1) into the workspace, K split over programs."""
+    lora = problem.lora
+    a, la, _, shrink, K, _ = _lora_operands(problem, workspace, down)
+    args = dict(
+        a_ptr=a, token_lora_ids_ptr=problem.token_lora_ids, lora_a_ptr=la, shrink_ptr=shrink,
+        sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_tokens=problem.x.shape[0], K=K, num_loras=lora.num_loras,
+        stride_a_m=a.stride(0), stride_la_l=la.stride(0), stride_la_e=la.stride(1), stride_la_r=la.stride(2),
+        stride_shrink_split=shrink.stride(0),
+    )
+    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_BLOCK_K,
+                      **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
+    options = lora_kernel_options(sorting.block_m, backend, cuda_arch)
+    return (grid_tiles(problem, sorting), shrink.shape[0]), args, constexprs, options
+
+
+def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace,
+                       out: torch.Tensor, down: bool, backend: str, cuda_arch: Optional[int]):
     """Two-stage path with adapters: the gate/up deltas into ``workspace.lora_delta13`` (before stage 1)
-    or, with ``down``, the down deltas added into ``out`` (after stage 1; see ``fmoe2/gemm/lora_kernel.py``)."""
+    or, with ``down``, the down deltas added into ``out`` (before stage 2), from the summed partial
+    shrinks, N split over programs (see ``fmoe2/gemm/lora_kernel.py``)."""
     lora = problem.lora
     num_grid_tiles = grid_tiles(problem, sorting)
-    H, inter = problem.hidden_size, problem.intermediate_size
-    if down:
-        a, la, lb, dst, K, N = workspace.y, lora.a2, lora.b2, out, inter, H
-    else:
-        a, la, lb, dst, K, N = problem.x, lora.a13, lora.b13, workspace.lora_delta13, H, inter
-    num_splits = lora_delta_splits(num_grid_tiles, N, a.device)
+    _, _, lb, shrink, _, N = _lora_operands(problem, workspace, down)
+    dst = out if down else workspace.lora_delta13
     args = dict(
-        a_ptr=a, token_lora_ids_ptr=problem.token_lora_ids, lora_a_ptr=la, lora_b_ptr=lb,
-        lora_scaling_ptr=lora.scaling, dst_ptr=dst, sorted_token_ids_ptr=sorting.sorted_token_ids,
-        sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
-        num_tokens=problem.x.shape[0], K=K, N=N, num_loras=lora.num_loras, stride_a_m=a.stride(0),
-        stride_dst_m=dst.stride(0), stride_la_l=la.stride(0), stride_la_e=la.stride(1), stride_la_r=la.stride(2),
+        shrink_ptr=shrink, token_lora_ids_ptr=problem.token_lora_ids, lora_b_ptr=lb, lora_scaling_ptr=lora.scaling,
+        dst_ptr=dst, sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_tokens=problem.x.shape[0], N=N, num_loras=lora.num_loras,
+        num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0), stride_dst_m=dst.stride(0),
         stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1), stride_lb_r=lb.stride(2),
     )
-    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_DELTA_BLOCK_K, BLOCK_N=LORA_DELTA_BLOCK_N,
+    block_n = lora_expand_block_n(sorting.block_m, backend)
+    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_N=block_n,
                       **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
-    # 128-row tiles need 8 warps: with 4, sm_90 code spilled about 400 instructions (8 warps: 6).
-    options = {"num_warps": 8 if sorting.block_m >= 128 else 4, "num_stages": 2}
-    return (num_grid_tiles, num_splits), args, constexprs, options
+    num_splits = lora_splits(num_grid_tiles, N, block_n, LORA_EXPAND_PROGRAMS_PER_SM, out.device)
+    return (num_grid_tiles, num_splits), args, constexprs, lora_kernel_options(sorting.block_m, backend,
+                                                                                         cuda_arch)
 
 
 def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult,
@@ -379,12 +455,13 @@ def fused_moe(
             the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
             atomic adds per output element; workspace ``y`` of at most
             ``rows = (M*topk // BLOCK_M + min(E, M*topk)) * BLOCK_M`` x I elements, and with
-            ``lora`` also ``rows x 2I`` for the gate/up deltas, both in the input dtype; adapters add
-            two launches).
+            ``lora`` also ``rows x 2I`` for the gate/up deltas, both in the input dtype, and the fp32
+            partial shrinks, at most ``16 x rows x 3R`` (R the padded rank); adapters add four
+            launches).
         lora: optional :class:`fmoe2.MoELoRA` adapters (better: :func:`fmoe2.prepare_lora` of
             them, done once; an unprepared one is converted on every call). Their deltas are
-            computed inside the fused kernel, or on the two-stage path by a delta kernel before
-            each stage (see ``fmoe2/gemm/lora.py`` and ``fmoe2/gemm/lora_kernel.py``).
+            computed inside the fused kernel, or on the two-stage path by a shrink and an expand
+            kernel before each stage (see ``fmoe2/gemm/lora.py`` and ``fmoe2/gemm/lora_kernel.py``).
         token_lora_ids: int32 ``[M]``, the adapter of each token, ``-1`` (or any id outside
             ``[0, max_loras)``) for none; required with ``lora``.
 
@@ -421,13 +498,14 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
                      expert_map, config: FusedMoEConfig) -> List[Tuple[str, Callable[[], None]]]:
     """The launches of one forward, in order, as ``(name, launch)`` pairs, their buffers (sorting
     results, two-stage workspace) allocated: ``sort``, then ``fused``, or ``stage1`` and ``stage2``
-    (with adapters ``lora_delta13`` before stage 1 and ``lora_delta2`` before stage 2).
+    (with adapters ``lora_shrink13`` and ``lora_expand13`` before stage 1, ``lora_shrink2`` and
+    ``lora_expand2`` before stage 2).
     :func:`fused_moe` runs them in order; the benchmark also times each one alone."""
     M = hidden_states.shape[0]
     backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
     # With PDL the fused kernel / stage 1 / stage 2 start while their predecessor runs and wait in-kernel;
-    # the sort and stage 1 signal them early. The LoRA delta kernels are ordinary launches (a dependent
+    # the sort and stage 1 signal them early. The LoRA shrink/expand kernels are ordinary launches (a dependent
     # launched after one starts when it ends).
     launches = [("sort", functools.partial(launch_moe_sorting, topk_ids, topk_weights, problem.num_experts,
                                            expert_map, sorting, out,
@@ -438,12 +516,18 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
         launches.append((name, lambda: kernel[grid](**args, **constexprs, **options)))
 
     workspace = TwoStageWorkspace.allocate(problem, sorting) if config.path == "two_stage" else None
-    if workspace is not None and problem.lora is not None:
-        add("lora_delta13", _lora_delta_kernel, lora_delta_launch(problem, sorting, workspace, out, down=False))
+    lora_deltas = workspace is not None and problem.lora is not None
+    if lora_deltas:
+        on = dict(backend=backend, cuda_arch=cuda_arch_of(hidden_states.device))
+        add("lora_shrink13", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down=False, **on))
+        add("lora_expand13", _lora_expand_kernel,
+            lora_expand_launch(problem, sorting, workspace, out, down=False, **on))
     add("fused" if workspace is None else "stage1", _fused_moe_kernel,
         fused_kernel_launch(problem, out, sorting, activation, config, backend, workspace))
     if workspace is not None:
-        if problem.lora is not None:
-            add("lora_delta2", _lora_delta_kernel, lora_delta_launch(problem, sorting, workspace, out, down=True))
+        if lora_deltas:
+            add("lora_shrink2", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down=True, **on))
+            add("lora_expand2", _lora_expand_kernel,
+                lora_expand_launch(problem, sorting, workspace, out, down=True, **on))
         add("stage2", _grouped_gemm_kernel, stage2_kernel_launch(problem, out, sorting, workspace, config, backend))
     return launches

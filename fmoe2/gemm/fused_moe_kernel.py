@@ -16,7 +16,7 @@ while they are added to); a larger GROUP_M lets tiles of one expert share weight
 With ``STORE_Y`` the kernel is stage 1 of the two-stage path: it stores ``y`` (routing weight
 applied) in sorted row order and skips the down GEMM, which ``grouped_gemm_kernel`` then does.
 With ``STORE_Y`` and ``HAS_LORA`` its only LoRA work is adding the gate/up deltas that
-``_lora_delta_kernel`` wrote (``fmoe2/gemm/lora_kernel.py``, which says why).
+``_lora_expand_kernel`` wrote (``fmoe2/gemm/lora_kernel.py``, which says why).
 
 With ``HAS_LORA`` on the fused path (multi-LoRA, layouts in ``fmoe2/gemm/lora.py``) tiles stay per
 expert, so the base weights are read exactly as without adapters whatever the mix of adapters. The adapters a
@@ -251,12 +251,12 @@ def _fused_moe_kernel(
     else:
         num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
     if STORE_Y:
-        # Two-stage path: LoRA deltas come ready from _lora_delta_kernel (see lora_kernel.py).
+        # Two-stage path: LoRA deltas come ready from _lora_expand_kernel (see lora_kernel.py).
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None)
         if HAS_LORA:
-            if num_present > 0:  # add the deltas _lora_delta_kernel computed (rows without an adapter have none)
+            if num_present > 0:  # add the deltas _lora_expand_kernel wrote (rows without an adapter have none)
                 delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * stride_delta13_m
                 has = (row_lora >= 0)[:, None] & n_valid[None, :]
                 gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)

@@ -31,3 +31,13 @@ def test_lora_report_reads_results_from_before_the_lora_pick(tmp_path):
     md = _write(tmp_path, "OLD", [_row(1, "two_stage", lora_fused_us=150.0)])
     assert "| tiny | 1 | two_stage | 100.0 | two_stage | 110.0 |" in md and "| 150.0 |" in md
     assert "results from before `get_config(lora=True)`" in md
+
+
+def test_lora_report_lists_the_launch_times_where_measured(tmp_path):
+    launches = {"sort": 3.0, "lora_shrink13": 4.0, "lora_expand13": 5.5, "stage1": 50.0, "lora_shrink2": 4.5,
+                "lora_expand2": 3.5, "stage2": 30.0}
+    md = _write(tmp_path, "GPU", [_row(1024, "two_stage", lora_path="two_stage", lora_launch_us=launches),
+                                  _row(16, "fused", lora_path="fused")])
+    assert ("| tiny | 1024 | sort 3.0, lora_shrink13 4.0, lora_expand13 5.5, stage1 50.0, lora_shrink2 4.5, "
+            "lora_expand2 3.5, stage2 30.0 |") in md
+    assert "| tiny | 16 |" not in md.split("Launches of the mixed-adapter forward")[1]

@@ -134,7 +134,7 @@ def test_lora_pick_runs_fused_at_decode_where_the_plain_pick_is_two_stage(tmp_pa
     pick = lambda M, **kw: get_config(M, 8, 4096, 14336, 2, torch.bfloat16, device=torch.device("cpu"),
                                       config_dir=str(tmp_path), **kw)
     edge = LORA_FUSED_MAX_TOKENS_PER_EXPERT * 8 // 2  # M with exactly that many routed rows per expert
-    for M in (1, 16, edge):
+    for M in (1, 2, edge):
         assert pick(M).path == "two_stage"
         lora = pick(M, lora=True)
         assert lora == fit_lora_config(pick(M, path="fused"))  # the fused refit, with the adapters' steps

@@ -54,7 +54,8 @@ def test_mixed_adapters_match_reference(M, E, H, I, topk, dtype, prepared):
     (37, 3, 24, 56, 3, True),
 ])
 def test_two_stage_mixed_adapters_match_reference(M, E, H, I, topk, prepared, dtype):
-    # LoRA deltas by _lora_delta_kernel: gate/up into a workspace before stage 1, down into out before stage 2.
+    # LoRA deltas by _lora_shrink_kernel + _lora_expand_kernel: gate/up into a workspace before stage 1,
+    # down into out before stage 2.
     run_and_check(M, E, H, I, topk, 16, dtype, prepared=prepared, config=SMALL_TWO_STAGE, seed=M)
 
 
@@ -134,7 +135,7 @@ def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch):
 
     def allocate_poisoned(cls, problem, sorting):
         ws = real(cls, problem, sorting)
-        for t in (ws.y, ws.lora_delta13):
+        for t in (ws.y, ws.lora_shrink13, ws.lora_shrink2, ws.lora_delta13):
             t.fill_(float("nan"))
         return ws
 
@@ -142,13 +143,30 @@ def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch):
     run_and_check(37, 3, 24, 56, 3, 16, torch.float16, config=SMALL_TWO_STAGE, seed=5)
 
 
-def test_two_stage_lora_deltas_split_columns_over_programs():
-    # Few tiles: each tile's delta columns are shared by several programs (each repeats the shrink).
+def test_two_stage_lora_splits_the_shrink_and_the_expand_over_programs(monkeypatch):
+    # Few tiles: each tile's shrink (K = H, then I) and expand (N = I, then H) are shared by several
+    # programs; the expand sums the partial shrinks. Down: I = 600 is 5 steps of 128 over 4 splits
+    # (2, 2, 1 and an empty share, whose zeros must still count as written).
     fm = importlib.import_module("fmoe2.gemm.fused_moe")
-    assert fm.LORA_DELTA_BLOCK_N == 128
-    assert fm.lora_delta_splits(2, 600, "cpu") == 4 and fm.lora_delta_splits(2, 160, "cpu") == 2
-    assert fm.lora_delta_splits(64, 600, "cpu") == 1
-    run_and_check(5, 2, 160, 600, 1, 16, torch.float16, config=SMALL_TWO_STAGE, seed=6)
+    assert fm.lora_splits(2, 600, 128, 1, "cpu") == 4 and fm.lora_splits(2, 160, 128, 1, "cpu") == 2
+    assert fm.lora_splits(64, 600, 128, 1, "cpu") == 1
+    assert fm.lora_shrink_splits(1, 10**6, "cpu") == 8
+    monkeypatch.setattr(fm, "LORA_MAX_SHRINK_SPLITS", 3)
+    assert fm.lora_shrink_splits(1, 10**6, "cpu") == 3
+    monkeypatch.undo()
+    monkeypatch.setattr(fm, "LORA_BLOCK_K", 128)
+    monkeypatch.setattr(fm, "lora_expand_block_n", lambda *a: 64)  # expand: I = 600 in 10 column steps, H = 160 in 3
+    grids = {}
+    for name in ("lora_shrink_launch", "lora_expand_launch"):
+        real = getattr(fm, name)
+        monkeypatch.setattr(fm, name, lambda *a, real=real, name=name, **k: (
+            lambda launch: grids.setdefault((name, k["down"]), launch[0]) and launch)(real(*a, **k)))
+    run_and_check(2, 2, 160, 600, 1, 16, torch.float16, config=SMALL_TWO_STAGE, seed=6,
+                  lora_ids=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
+    if DEVICE != "cpu":  # a GPU splits for its multiprocessor count
+        return
+    assert grids == {("lora_shrink_launch", False): (2, 2), ("lora_expand_launch", False): (2, 4),
+                     ("lora_shrink_launch", True): (2, 4), ("lora_expand_launch", True): (2, 3)}
 
 
 def test_lora_slots_stack_adapters_up_to_the_stack_width():
@@ -250,8 +268,8 @@ def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
     assert fmoe2.get_config(M, E, H, I, topk, torch.float16, backend="cuda").path == "two_stage"
     fm = importlib.import_module("fmoe2.gemm.fused_moe")
     launches = []
-    real = fm.lora_delta_launch
-    monkeypatch.setattr(fm, "lora_delta_launch", lambda *a, **k: launches.append(k["down"]) or real(*a, **k))
+    real = fm.lora_expand_launch
+    monkeypatch.setattr(fm, "lora_expand_launch", lambda *a, **k: launches.append(k["down"]) or real(*a, **k))
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None)
     assert launches == [False, True]  # the gate/up and down delta launches of the two-stage LoRA path
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="fused")
@@ -259,7 +277,7 @@ def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
 
 
 def test_auto_path_with_lora_at_decode_runs_fused_where_the_plain_pick_is_two_stage(monkeypatch):
-    M, E, H, I, topk = 3, 4, 32, 24, 2  # 1.5 routed rows per expert
+    M, E, H, I, topk = 2, 4, 32, 24, 2  # 1 routed row per expert
     config = importlib.import_module("fmoe2.gemm.config")
     real_pick = config._pick_config
     monkeypatch.setattr(config, "_pick_config", lambda *a: replace(real_pick(*a), path="two_stage"))
@@ -273,4 +291,5 @@ def test_auto_path_with_lora_at_decode_runs_fused_where_the_plain_pick_is_two_st
     assert names == ["sort", "fused"]  # adapters present: the fused path, no delta launches
     names.clear()
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="two_stage")
-    assert names == ["sort", "lora_delta13", "stage1", "lora_delta2", "stage2"]  # a forced path stays forced
+    assert names == ["sort", "lora_shrink13", "lora_expand13", "stage1", "lora_shrink2", "lora_expand2",
+                     "stage2"]  # a forced path stays forced
