@@ -280,12 +280,11 @@ def _lora_args(problem: MoEProblem, out: torch.Tensor) -> dict:
     return args
 
 
-# Two-stage LoRA kernels (lora_kernel.py). The shrink's BLOCK_K from a sweep of the earlier one-kernel
-# form on the H100 (M=1024, three shapes, 64/128/256). Expand BLOCK_N and the programs per multiprocessor
-# from a sweep on the H100 (2026-11-23; rank 16, 4 adapters, mixed; Mixtral M=1-1024, Qwen3 and
-# DeepSeek M=16-1024; BLOCK_N 64/128 x expand 1/2/4 x shrink 1/2 programs per SM): 128 / 2 / 2 was best
-# or within 2% of best at every point; BLOCK_N=64 was up to 2.5% slower, and one program per SM for both
-# up to 6% slower (Qwen3 M=16: 331.7 vs 312.5 us).
+# Two-stage LoRA kernels (lora_kernel.py). The shrink's BLOCK_K: see lora_kernel_options. Expand
+# BLOCK_N and the programs per multiprocessor from a sweep on the H100 (2026-11-23; rank 16, 4 adapters,
+# mixed; Mixtral M=1-1024, Qwen3 and DeepSeek M=16-1024; BLOCK_N 64/128 x expand 1/2/4 x shrink 1/2
+# programs per SM): 128 / 2 / 2 was best or within 2% of best at every point; BLOCK_N=64 was up to
+# 2.5% slower, and one program per SM for both up to 6% slower (Qwen3 M=16: 331.7 vs 312.5 us).
 LORA_BLOCK_K = 64  # shrink step
 LORA_SHRINK_PROGRAMS_PER_SM = 2
 LORA_EXPAND_PROGRAMS_PER_SM = 2
@@ -310,7 +309,8 @@ def lora_kernel_options(block_m: int, backend: str, cuda_arch: Optional[int]) ->
 
 
 def cuda_arch_of(device) -> Optional[int]:
-    """Compute capability as 10 * major + minor of a CUDA device; None for CPU or meta tensors."""
+    """Compute capability as 10 * major + minor of a CUDA device; None for CPU or meta tensors and
+    under the interpreter."""
     device = torch.device(device)
     if device.type != "cuda" or interpreter_enabled():
         return None
@@ -338,9 +338,8 @@ def lora_splits(num_grid_tiles: int, length: int, block: int, programs_per_sm: i
 
 def lora_shrink_splits(num_grid_tiles: int, K: int, device) -> int:
     """Splits of the shrink's K loop (H or I), hence partial shrinks per row in the workspace."""
-    return min(LORA_MAX_SHRINK_SPLITS, lora_splits(num_grid_tiles, K, LORA_BLOCK_K, LORA_SHRINK_PROGRAMS_PER_SM, device))
-
-
+    splits = lora_splits(num_grid_tiles, K, LORA_BLOCK_K, LORA_SHRINK_PROGRAMS_PER_SM, device)
+    return min(LORA_MAX_SHRINK_SPLITS, splits)
 
 
 def _lora_operands(problem: MoEProblem, workspace: TwoStageWorkspace, down: bool):
