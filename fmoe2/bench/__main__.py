@@ -29,8 +29,8 @@ import torch
 import triton
 
 import fmoe2
-from fmoe2.gemm.config import device_config_name, fit_config, fit_lora_config
-from fmoe2.gemm.fused_moe import check_fused_moe_args, forward_launches
+from fmoe2.gemm.config import device_config_name
+from fmoe2.gemm.fused_moe import check_fused_moe_args, fit_given_config, forward_launches
 from fmoe2.shapes import SHAPES
 
 from .report import write_report
@@ -61,9 +61,7 @@ def stage_times(x, weights, topk_weights, topk_ids, config, out, lora=None, toke
     in its own graph, on the buffers one full forward leaves behind."""
     problem = check_fused_moe_args(x, weights, None, topk_weights, topk_ids, "silu", out, None, config,
                                    lora=lora, token_lora_ids=token_lora_ids)
-    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, x.dtype)
-    if lora is not None:
-        config = fit_lora_config(config)
+    config = fit_given_config(config, problem)
     launches = forward_launches(problem, x, topk_weights, topk_ids, "silu", out, None, config)
     for _, launch in launches:  # every launch then finds the buffers it reads filled
         launch()

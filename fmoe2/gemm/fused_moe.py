@@ -482,15 +482,20 @@ def fused_moe(
     if config is None:
         config = get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk, hidden_states.dtype,
                             device=hidden_states.device, path=path, lora=problem.lora is not None)
-    else:  # a caller's config is fitted like a picked one (clamps, atomic-add precision cap)
-        config = fit_config(config, H, problem.intermediate_size, problem.topk, hidden_states.dtype, path)
-        if problem.lora is not None:
-            config = fit_lora_config(config)
+    else:
+        config = fit_given_config(config, problem, path)
     with on_device(hidden_states):
         for _, launch in forward_launches(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map,
                                           config):
             launch()
     return out
+
+
+def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto") -> FusedMoEConfig:
+    """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
+    (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config`)."""
+    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path)
+    return fit_lora_config(config) if problem.lora is not None else config
 
 
 def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids, activation: str, out: torch.Tensor,

@@ -146,6 +146,15 @@ def _tile_rows(token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, 
 
 
 @triton.jit
+def _split_share(length, BLOCK: tl.constexpr):
+    """[begin, end) of this program's share of ``length`` (whole BLOCK steps) when program_id(1) of
+    num_programs(1) splits it; empty for trailing splits when the steps do not divide evenly."""
+    per_split = tl.cdiv(tl.cdiv(length, tl.num_programs(1)), BLOCK) * BLOCK
+    begin = tl.program_id(1) * per_split
+    return begin, tl.minimum(begin + per_split, length)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     a_ptr,  # gate/up: x [M, K=H]; DOWN: y [num_grid_tiles * BLOCK_M, K=I] in sorted-row order
     token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none
@@ -179,19 +188,16 @@ def _lora_shrink_kernel(
         num_tokens, num_loras, BLOCK_M, LORA_IDS)
     if expert < 0:
         return
-    split = tl.program_id(1)
+    k_begin, k_end = _split_share(K, BLOCK_K)
     PARTS: tl.constexpr = 1 if DOWN else 2
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     if DOWN:
         a_rows = a_ptr + offs_m.to(tl.int64) * stride_a_m
     else:
         a_rows = a_ptr + token * stride_a_m
-    k_per_split = tl.cdiv(tl.cdiv(K, tl.num_programs(1)), BLOCK_K) * BLOCK_K
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
     offs_k = tl.arange(0, BLOCK_K)
     a_expert = lora_a_ptr + expert * stride_la_e
-    dst_rows = shrink_ptr + split.to(tl.int64) * stride_shrink_split + offs_m.to(tl.int64) * (PARTS * LORA_RANK)
+    dst_rows = shrink_ptr + tl.program_id(1).to(tl.int64) * stride_shrink_split + offs_m.to(tl.int64) * (PARTS * LORA_RANK)
     # More than LORA_SLOTS adapters in a tile: one shrink per slot group.
     for first_slot in range(0, num_present, LORA_SLOTS):
         la_rows, a_slot, la_used = _stack(a_expert, stride_la_l, stride_la_r, present, slot_of, first_slot, LORA_IDS,
@@ -259,7 +265,7 @@ def _lora_expand_kernel(
         num_tokens, num_loras, BLOCK_M, LORA_IDS)
     if expert < 0:
         return
-    split = tl.program_id(1)
+    n_begin, n_end = _split_share(N, BLOCK_N)
     row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
     PARTS: tl.constexpr = 1 if DOWN else 2
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
@@ -269,9 +275,6 @@ def _lora_expand_kernel(
         dst_rows = dst_ptr + offs_m.to(tl.int64) * stride_dst_m
     dtype = lora_b_ptr.dtype.element_ty
     shrink_rows = shrink_ptr + offs_m.to(tl.int64) * (PARTS * LORA_RANK)
-    cols_per_split = tl.cdiv(tl.cdiv(N, tl.num_programs(1)), BLOCK_N) * BLOCK_N
-    n_begin = split * cols_per_split
-    n_end = tl.minimum(n_begin + cols_per_split, N)
     b_expert = lora_b_ptr + expert * stride_lb_e
     for first_slot in range(0, num_present, LORA_SLOTS):
         lb_rows, lb_slot, lb_used = _stack(b_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot, LORA_IDS,
