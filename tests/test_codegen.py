@@ -153,3 +153,15 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
                                            "lora_shrink2", "lora_expand2"}
     for rep in rocm:
         assert rep["lds_bytes"] <= 64 * 1024 and no_spills(rep), rep
+
+
+def test_sm80_two_stage_lora_kernels_take_their_own_launch_settings():
+    # lora_kernel_options picks per architecture: the sm_90 setting (4 warps, 4 stages at 64-row
+    # tiles) spilled 280 instructions in the sm_80 down expand; sm_80 gets 8 warps, 2 stages.
+    reports = codegen("sm_80", "deepseek-v2-lite", "1024", "--lora-rank", "16")
+    lora = {k: r for (k, _), r in reports.items() if k.startswith(("lora_shrink", "lora_expand"))}
+    assert set(lora) == {"lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2"}
+    for rep in lora.values():
+        assert (rep["num_warps"], rep["num_stages"]) == (8, 2) and no_spills(rep), rep
+    sm90 = codegen("sm_90", "deepseek-v2-lite", "1024", "--lora-rank", "16")
+    assert (sm90[("lora_shrink13", 1024)]["num_warps"], sm90[("lora_shrink13", 1024)]["num_stages"]) == (4, 4)

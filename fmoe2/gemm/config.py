@@ -50,10 +50,10 @@ MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
 # With adapters, a two-stage pick runs on the fused path up to this many routed rows per expert (M*topk/E).
-# H100, 2026-11-23, rank 16, 4 adapters, Mixtral (tuned two-stage at every batch), mixed adapters, fused
-# vs two-stage with the split shrink/expand LoRA kernels: M=1 (0.25 rows per expert) 260.7 vs 270.3 us;
-# two-stage ahead from M=16 (4): 974.8 vs 1007.1 us, M=128 (32) 1106 vs 1241 us. (With the earlier
-# one-kernel deltas, whose programs each walked the whole shrink, two-stage was behind up to M=16.)
+# H100, 2026-11-23 (misc/bench/lora), rank 16, 4 adapters, Mixtral (tuned two-stage at every batch), mixed
+# adapters, fused vs two-stage with the split shrink/expand LoRA kernels: M=1 (0.25 rows per expert) 255.2
+# vs 270.3 us; two-stage ahead from M=16 (4): 1004.5 vs 973.7 us, M=128 (32) 1239.3 vs 1083.5 us. (With the
+# earlier one-kernel deltas, whose programs each walked the whole shrink, two-stage was behind up to M=16.)
 LORA_FUSED_MAX_TOKENS_PER_EXPERT = 1
 
 
