@@ -248,9 +248,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
             for down, part in ((False, "13"), (True, "2")):
                 for name, kernel, launch in (
                         ("lora_shrink", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down,
-                                                                                 backend, cuda_arch)),
+                                                                                 backend, cuda_arch, config.pdl)),
                         ("lora_expand", _lora_expand_kernel, lora_expand_launch(problem, sorting, workspace, x, down,
-                                                                                 backend, cuda_arch))):
+                                                                                 backend, cuda_arch, config.pdl))):
                     grid, args, constexprs, options = launch
                     reports.append({"kernel": name + part, **common, "config": config.to_dict(),
                                     **_compile(kernel, grid, args, constexprs, options, target)})

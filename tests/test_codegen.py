@@ -98,6 +98,11 @@ def test_sm90_pdl_configs_wait_for_the_previous_launch():
         assert early in r[key]["grid_dependency_control"], (key, r[key])
     rocm = codegen("gfx942", "qwen3-30b-a3b", "4096", "--pdl")  # ignored on ROCm: still compiles
     assert ("moe_stage2", 4096) in rocm
+    # With adapters the two-stage path's LoRA launches join the chain: each waits and signals early.
+    r = codegen("sm_90", "qwen3-30b-a3b", "4096", "--pdl", "--lora-rank", "16")
+    for kernel in ("lora_shrink13", "lora_expand13", "fused_moe_stage1_lora", "lora_shrink2", "lora_expand2"):
+        assert r[(kernel, 4096)]["grid_dependency_control"] == [early, wait], (kernel, r[(kernel, 4096)])
+    assert r[("moe_stage2", 4096)]["grid_dependency_control"] == [wait]
 
 
 @pytest.mark.parametrize("shape,rank", [("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16), ("mixtral-8x7b", 64)])

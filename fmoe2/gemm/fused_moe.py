@@ -318,10 +318,24 @@ def cuda_arch_of(device) -> Optional[int]:
     return 10 * major + minor
 
 
-def lora_expand_block_n(block_m: int, backend: str) -> int:
-    """Expand columns per step: 128, or 64 where 128 spilled with 8 warps: 128-row tiles on sm_80 (80
-    and 328 spill instructions, gate/up and down), 32-row gate/up tiles on gfx942 (65 VGPR spills)."""
-    return 64 if block_m >= 128 or backend == "hip" else 128
+def lora_expand_block_n(block_m: int, backend: str, cuda_arch: Optional[int]) -> int:
+    """Expand columns per step.
+
+    * sm_90 and newer (and an unknown GPU): 128 (H100 sweep, see above), 64 for 128-row tiles (the
+      sweep had none; 128 columns spilled at 128 rows on sm_80).
+    * HIP: 64 (128 spilled 65 VGPRs in the 32-row gate/up expand on gfx942).
+    * Older CUDA GPUs: 128, 64 from 64-row tiles. There bf16 atomic adds are compare-and-swap loops
+      and the down expand spills with wide tiles (sm_80, 8 warps, 2 stages, ``fmoe2.codegen`` over
+      three shapes, M 1-4096): 64-row tiles at 128 columns spilled 60 instructions under Triton 3.6,
+      128-row tiles at 128 columns 328 under Triton 3.9. With this rule Triton 3.9 spills nothing in
+      the expands; Triton 3.6 still spills 42 in the 128-row down expand (at 32 columns that one was
+      clean under 3.6 but spilled 48 under 3.9).
+    """
+    if backend == "hip":
+        return 64
+    if cuda_arch is not None and cuda_arch < 90:
+        return 64 if block_m >= 64 else 128
+    return 64 if block_m >= 128 else 128
 
 
 def lora_splits(num_grid_tiles: int, length: int, block: int, programs_per_sm: int, device) -> int:
@@ -351,9 +365,10 @@ def _lora_operands(problem: MoEProblem, workspace: TwoStageWorkspace, down: bool
 
 
 def lora_shrink_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace, down: bool,
-                       backend: str, cuda_arch: Optional[int]):
+                       backend: str, cuda_arch: Optional[int], pdl: bool = False):
     """Two-stage path with adapters: the partial shrinks ``x @ A13^T`` (before stage 1) or, with
-    ``down``, ``y @ A2^T`` (after stage 1) into the workspace, K split over programs."""
+    ``down``, ``y @ A2^T`` (after stage 1) into the workspace, K split over programs. ``pdl``:
+    launched as a programmatic dependent (see ``pdl_enabled``)."""
     lora = problem.lora
     a, la, _, shrink, K, _ = _lora_operands(problem, workspace, down)
     args = dict(
@@ -363,17 +378,18 @@ def lora_shrink_launch(problem: MoEProblem, sorting: MoESortingResult, workspace
         stride_a_m=a.stride(0), stride_la_l=la.stride(0), stride_la_e=la.stride(1), stride_la_r=la.stride(2),
         stride_shrink_split=shrink.stride(0),
     )
-    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_BLOCK_K,
+    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_BLOCK_K, PDL=pdl,
                       **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
-    options = lora_kernel_options(sorting.block_m, backend, cuda_arch)
+    options = {**lora_kernel_options(sorting.block_m, backend, cuda_arch), **_pdl_option(pdl)}
     return (grid_tiles(problem, sorting), shrink.shape[0]), args, constexprs, options
 
 
 def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace,
-                       out: torch.Tensor, down: bool, backend: str, cuda_arch: Optional[int]):
+                       out: torch.Tensor, down: bool, backend: str, cuda_arch: Optional[int], pdl: bool = False):
     """Two-stage path with adapters: the gate/up deltas into ``workspace.lora_delta13`` (before stage 1)
     or, with ``down``, the down deltas added into ``out`` (before stage 2), from the summed partial
-    shrinks, N split over programs (see ``fmoe2/gemm/lora_kernel.py``)."""
+    shrinks, N split over programs (see ``fmoe2/gemm/lora_kernel.py``). ``pdl``: launched as a
+    programmatic dependent."""
     lora = problem.lora
     num_grid_tiles = grid_tiles(problem, sorting)
     _, _, lb, shrink, _, N = _lora_operands(problem, workspace, down)
@@ -385,12 +401,12 @@ def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace
         num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0), stride_dst_m=dst.stride(0),
         stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1), stride_lb_r=lb.stride(2),
     )
-    block_n = lora_expand_block_n(sorting.block_m, backend)
-    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_N=block_n,
+    block_n = lora_expand_block_n(sorting.block_m, backend, cuda_arch)
+    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_N=block_n, PDL=pdl,
                       **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
     num_splits = lora_splits(num_grid_tiles, N, block_n, LORA_EXPAND_PROGRAMS_PER_SM, out.device)
-    return (num_grid_tiles, num_splits), args, constexprs, lora_kernel_options(sorting.block_m, backend,
-                                                                                         cuda_arch)
+    options = {**lora_kernel_options(sorting.block_m, backend, cuda_arch), **_pdl_option(pdl)}
+    return (num_grid_tiles, num_splits), args, constexprs, options
 
 
 def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult,
@@ -508,9 +524,8 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
     M = hidden_states.shape[0]
     backend = current_backend()
     sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
-    # With PDL the fused kernel / stage 1 / stage 2 start while their predecessor runs and wait in-kernel;
-    # the sort and stage 1 signal them early. The LoRA shrink/expand kernels are ordinary launches (a dependent
-    # launched after one starts when it ends).
+    # With PDL every launch after the sort starts while its predecessor runs and waits in-kernel; all but
+    # stage 2 signal their dependents early.
     launches = [("sort", functools.partial(launch_moe_sorting, topk_ids, topk_weights, problem.num_experts,
                                            expert_map, sorting, out,
                                            launch_dependents=pdl_enabled(config, problem, backend)))]
@@ -522,7 +537,8 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
     workspace = TwoStageWorkspace.allocate(problem, sorting) if config.path == "two_stage" else None
     lora_deltas = workspace is not None and problem.lora is not None
     if lora_deltas:
-        on = dict(backend=backend, cuda_arch=cuda_arch_of(hidden_states.device))
+        on = dict(backend=backend, cuda_arch=cuda_arch_of(hidden_states.device),
+                  pdl=pdl_enabled(config, problem, backend))
         add("lora_shrink13", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down=False, **on))
         add("lora_expand13", _lora_expand_kernel,
             lora_expand_launch(problem, sorting, workspace, out, down=False, **on))

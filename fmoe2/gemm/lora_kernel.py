@@ -35,6 +35,8 @@ memory) and leaves stage 2 untouched.
 import triton
 import triton.language as tl
 
+from ..grid_dependency import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras, LORA_IDS: tl.constexpr):
@@ -123,6 +125,17 @@ def _split_gate_up(shrink, BLOCK_M: tl.constexpr, STACK: tl.constexpr):
 
 
 @triton.jit
+def _dependent_launch_prologue(PDL: tl.constexpr):
+    """With PDL: let the next launch be scheduled, then wait until the previous launch's results are
+    visible. Every program waits before it can exit, so this launch cannot end before its predecessor
+    (the chain sort, shrink, expand, stage 1, shrink, expand, stage 2 stays ordered), while a launch
+    whose programs all exit at once (no adapter in the batch) costs little more than the wait."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
 def _tile_rows(token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tile,
                num_tokens, num_loras, BLOCK_M: tl.constexpr, LORA_IDS: tl.constexpr):
     """A tile's rows and adapters, for the two-stage LoRA kernels.
@@ -177,12 +190,14 @@ def _lora_shrink_kernel(
     LORA_RANK: tl.constexpr,  # padded rank
     LORA_IDS: tl.constexpr,
     LORA_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
 ):
     """Grid: (num_grid_tiles, num_splits). Program (tile, split) shrinks the split-th share of K:
     ``shrink[split, row, part * R + r] = (a_row @ A[adapter of row, part * R + r, share]^T)`` (unscaled),
     for the rows with an adapter only (``_lora_expand_kernel`` sums the splits and reads no other row).
     Splitting K keeps the serial loop short at small batches, where few tiles would each walk all of
     H or I; every split also writes zeros for an empty share, so no partial is left unset."""
+    _dependent_launch_prologue(PDL)
     expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present = _tile_rows(
         token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tl.program_id(0),
         num_tokens, num_loras, BLOCK_M, LORA_IDS)
@@ -255,11 +270,13 @@ def _lora_expand_kernel(
     LORA_RANK: tl.constexpr,  # padded rank
     LORA_IDS: tl.constexpr,
     LORA_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
 ):
     """Grid: (num_grid_tiles, num_splits); program (tile, split) expands the split-th share of the N
     columns: ``dst[row, part * N + n] (+)= scale * shrink[row, part] @ B[adapter, part, n]``. Tiles
     without adapters exit at once; rows without an adapter are neither written nor added to (stage 1
     masks them)."""
+    _dependent_launch_prologue(PDL)
     expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present = _tile_rows(
         token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tl.program_id(0),
         num_tokens, num_loras, BLOCK_M, LORA_IDS)

@@ -12,16 +12,20 @@ from helpers import assert_matches_reference, make_lora, make_problem, make_toke
 bench_main = importlib.import_module("fmoe2.bench.__main__")
 
 
-@pytest.mark.parametrize("path,names", [("fused", ["sort", "fused"]), ("two_stage", ["sort", "stage1", "stage2"])])
-def test_stage_times_runs_each_launch_of_the_forward(monkeypatch, path, names):
-    timed = []
-
-    def once(fn):  # stands in for the CUDA-graph timer: run the launch once, in the order asked
+def recording_timer(timed):
+    """Stands in for the CUDA-graph timer: runs each launch once, in the order asked, into ``timed``.
+    (A launch's return value is not used: on a GPU a Triton launch returns its compiled kernel.)"""
+    def once(fn):
         fn()
         timed.append(fn)
         return 1.0
+    return once
 
-    monkeypatch.setattr(bench_main, "time_in_graph", once)
+
+@pytest.mark.parametrize("path,names", [("fused", ["sort", "fused"]), ("two_stage", ["sort", "stage1", "stage2"])])
+def test_stage_times_runs_each_launch_of_the_forward(monkeypatch, path, names):
+    timed = []
+    monkeypatch.setattr(bench_main, "time_in_graph", recording_timer(timed))
     M, E, H, I, topk = 21, 4, 40, 24, 2
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=3)
     cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path=path)
@@ -34,7 +38,7 @@ def test_stage_times_runs_each_launch_of_the_forward(monkeypatch, path, names):
 
 def test_stage_times_with_adapters_runs_the_lora_launches(monkeypatch):
     timed = []
-    monkeypatch.setattr(bench_main, "time_in_graph", lambda fn: fn() or timed.append(fn) or 1.0)
+    monkeypatch.setattr(bench_main, "time_in_graph", recording_timer(timed))
     M, E, H, I, topk = 21, 4, 40, 24, 2
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=4)
     lora = make_lora(3, E, H, I, 16, torch.float16)
