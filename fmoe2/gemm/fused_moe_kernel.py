@@ -42,7 +42,7 @@ branch at run time to the plain loops. ``HAS_LORA=False`` compiles the plain ker
 import triton
 import triton.language as tl
 
-from ..grid_dependency import gdc_launch_dependents, gdc_wait
+from ..grid_dependency import dependent_launch_prologue
 from .lora_kernel import _down_shrink, _expand_gate_up, _own_rows, _shrink_step, _split_gate_up, _stack, _tile_slots
 
 
@@ -209,9 +209,7 @@ def _fused_moe_kernel(
     Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and
     no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
     """
-    if PDL:  # let the next PDL launch (stage 2) be scheduled, then wait until the sort's results are visible
-        gdc_launch_dependents()
-        gdc_wait()
+    dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's (or LoRA's) results
     pid = tl.program_id(0)
     num_slices = tl.cdiv(I, BLOCK_N)
     programs_per_group = GROUP_M * num_slices

@@ -35,7 +35,7 @@ memory) and leaves stage 2 untouched.
 import triton
 import triton.language as tl
 
-from ..grid_dependency import gdc_launch_dependents, gdc_wait
+from ..grid_dependency import dependent_launch_prologue
 
 
 @triton.jit
@@ -125,25 +125,16 @@ def _split_gate_up(shrink, BLOCK_M: tl.constexpr, STACK: tl.constexpr):
 
 
 @triton.jit
-def _dependent_launch_prologue(PDL: tl.constexpr):
-    """With PDL: let the next launch be scheduled, then wait until the previous launch's results are
-    visible. Every program waits before it can exit, so this launch cannot end before its predecessor
-    (the chain sort, shrink, expand, stage 1, shrink, expand, stage 2 stays ordered), while a launch
-    whose programs all exit at once (no adapter in the batch) costs little more than the wait."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
 def _tile_rows(token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tile,
-               num_tokens, num_loras, BLOCK_M: tl.constexpr, LORA_IDS: tl.constexpr):
-    """A tile's rows and adapters, for the two-stage LoRA kernels.
+               num_tokens, num_loras, BLOCK_M: tl.constexpr, LORA_IDS: tl.constexpr, PDL: tl.constexpr):
+    """A tile's rows and adapters, for the two-stage LoRA kernels (their prologue: with PDL it first
+    waits for the previous launch, see ``dependent_launch_prologue``).
 
     Returns expert (int64; -1 when the tile has nothing to do: beyond the sorted tiles, a gap
     tile, or no row with an adapter), offs_m [BLOCK_M] (sorted rows), token [BLOCK_M] (int64),
     row_valid, and ``_tile_slots``'s row_lora, row_slot, present, slot_of and num_present.
     """
+    dependent_launch_prologue(PDL)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     # Entries past the sorted tiles are stale (the grid is sized for the worst routing): loaded, never used.
     expert = tl.load(sorted_expert_ids_ptr + tile).to(tl.int64)
@@ -197,10 +188,9 @@ def _lora_shrink_kernel(
     for the rows with an adapter only (``_lora_expand_kernel`` sums the splits and reads no other row).
     Splitting K keeps the serial loop short at small batches, where few tiles would each walk all of
     H or I; every split also writes zeros for an empty share, so no partial is left unset."""
-    _dependent_launch_prologue(PDL)
     expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present = _tile_rows(
         token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tl.program_id(0),
-        num_tokens, num_loras, BLOCK_M, LORA_IDS)
+        num_tokens, num_loras, BLOCK_M, LORA_IDS, PDL)
     if expert < 0:
         return
     k_begin, k_end = _split_share(K, BLOCK_K)
@@ -276,10 +266,9 @@ def _lora_expand_kernel(
     columns: ``dst[row, part * N + n] (+)= scale * shrink[row, part] @ B[adapter, part, n]``. Tiles
     without adapters exit at once; rows without an adapter are neither written nor added to (stage 1
     masks them)."""
-    _dependent_launch_prologue(PDL)
     expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present = _tile_rows(
         token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tl.program_id(0),
-        num_tokens, num_loras, BLOCK_M, LORA_IDS)
+        num_tokens, num_loras, BLOCK_M, LORA_IDS, PDL)
     if expert < 0:
         return
     n_begin, n_end = _split_share(N, BLOCK_N)
