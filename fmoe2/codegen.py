@@ -237,12 +237,18 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
         suffix = "_lora"
         lora_config = fit_lora_config(fused_config)
-        sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta")
+        sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
+        grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
+                                                                token_lora_ids=problem.token_lora_ids,
+                                                                num_loras=num_loras, launch_dependents=pdl)
+        reports.append({"kernel": "moe_sorting_lora", **common,
+                        **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
         grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, lora_config, backend)
         reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
                         **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
     if config.path == "two_stage":
-        sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta")
+        sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
+                                            count_lora_tokens=problem.lora is not None)
         workspace = TwoStageWorkspace.allocate(problem, sorting)
         if problem.lora is not None:
             for down, part in ((False, "13"), (True, "2")):

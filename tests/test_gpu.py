@@ -208,8 +208,10 @@ def test_lora_cuda_graph_follows_new_adapter_ids(path, pdl):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids, config=cfg)
-    for seed in (1, 2):
-        lora_ids.copy_(make_token_lora_ids(M, 4, device="cuda", seed=seed))
+    # Back to every token -1 last: the sort's count of tokens with an adapter is rewritten per replay.
+    for new_ids in (make_token_lora_ids(M, 4, device="cuda", seed=1), make_token_lora_ids(M, 4, device="cuda", seed=2),
+                    torch.full_like(lora_ids, -1)):
+        lora_ids.copy_(new_ids)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

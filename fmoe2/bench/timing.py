@@ -3,7 +3,7 @@ around each replay, the median over many replays, divided by N."""
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from typing import Callable, Dict
 
 import torch
 
@@ -34,3 +34,14 @@ def time_in_graph(fn: Callable[[], object], calls_per_graph: int = 10, replays: 
         times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
     graph.reset()
     return statistics.median(times)
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 3) -> Dict[str, float]:
+    """Median microseconds per call of each of ``fns`` over ``rounds`` rounds of :func:`time_in_graph`,
+    the functions taking turns within every round: a drift of the GPU's clocks over the run then
+    reaches every variant alike, so ratios of close variants (a 1.02x target) compare like with like."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_in_graph(fn))
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -103,7 +103,7 @@ class LoRASteps:
         self.sorting = MoESortingResult.allocate(self.num_entries, lora.num_loras * lora.num_experts,
                                                  self.cfg.BLOCK_M, M, topk_ids.device)
         launch_moe_sorting(topk_ids, topk_weights, lora.num_experts, None, self.sorting, None, expanded_ids=True,
-                           token_lora_ids=token_lora_ids, num_loras=lora.num_loras)
+                           token_lora_ids=token_lora_ids, num_loras=lora.num_loras, lora_keys=True)
 
     def _gemm(self, a, b, c, a_row_divisor, mul_weight, add, block_n, block_k):
         _lora_gemm(a, b, c, self.sorting, self.weights, self.num_entries, a_row_divisor, mul_weight, add,

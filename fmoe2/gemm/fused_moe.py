@@ -219,6 +219,7 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         stride_y_m=y.stride(0) if y is not None else 0,
         stride_delta13_m=delta13.stride(0) if delta13 is not None else 0,
         **_lora_args(problem, out),
+        num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, out),
         lora_delta13_ptr=delta13 if delta13 is not None else out,
     )
     constexprs = dict(
@@ -257,6 +258,15 @@ def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts:
     if num_rows < num_experts:
         slots = 1
     return dict(LORA_RANK=lora.padded_rank, LORA_IDS=ids, LORA_SLOTS=slots)
+
+
+def _num_lora_tokens(problem: MoEProblem, sorting: MoESortingResult, stand_in: torch.Tensor) -> torch.Tensor:
+    """The sort's count of tokens with an adapter (``stand_in`` without adapters: never read)."""
+    if problem.lora is None:
+        return stand_in
+    if sorting.num_lora_tokens is None:
+        raise ValueError("with lora, the sorting result must be allocated with count_lora_tokens=True")
+    return sorting.num_lora_tokens
 
 
 # (pointer argument, stride prefix, row-stride suffix) of the LoRA tensors a13, b13, a2, b2.
@@ -374,7 +384,8 @@ def lora_shrink_launch(problem: MoEProblem, sorting: MoESortingResult, workspace
     args = dict(
         a_ptr=a, token_lora_ids_ptr=problem.token_lora_ids, lora_a_ptr=la, shrink_ptr=shrink,
         sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
-        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_tokens=problem.x.shape[0], K=K, num_loras=lora.num_loras,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, a),
+        num_tokens=problem.x.shape[0], K=K, num_loras=lora.num_loras,
         stride_a_m=a.stride(0), stride_la_l=la.stride(0), stride_la_e=la.stride(1), stride_la_r=la.stride(2),
         stride_shrink_split=shrink.stride(0),
     )
@@ -397,7 +408,8 @@ def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace
     args = dict(
         shrink_ptr=shrink, token_lora_ids_ptr=problem.token_lora_ids, lora_b_ptr=lb, lora_scaling_ptr=lora.scaling,
         dst_ptr=dst, sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
-        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_tokens=problem.x.shape[0], N=N, num_loras=lora.num_loras,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, dst),
+        num_tokens=problem.x.shape[0], N=N, num_loras=lora.num_loras,
         num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0), stride_dst_m=dst.stride(0),
         stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1), stride_lb_r=lb.stride(2),
     )
@@ -523,11 +535,14 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
     :func:`fused_moe` runs them in order; the benchmark also times each one alone."""
     M = hidden_states.shape[0]
     backend = current_backend()
-    sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device)
+    lora = problem.lora
+    sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device,
+                                        count_lora_tokens=lora is not None)
     # With PDL every launch after the sort starts while its predecessor runs and waits in-kernel; all but
-    # stage 2 signal their dependents early.
+    # stage 2 signal their dependents early. With adapters the sort also counts the tokens that have one.
     launches = [("sort", functools.partial(launch_moe_sorting, topk_ids, topk_weights, problem.num_experts,
-                                           expert_map, sorting, out,
+                                           expert_map, sorting, out, token_lora_ids=problem.token_lora_ids,
+                                           num_loras=lora.num_loras if lora is not None else 0,
                                            launch_dependents=pdl_enabled(config, problem, backend)))]
 
     def add(name, kernel, launch):
@@ -535,7 +550,7 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
         launches.append((name, lambda: kernel[grid](**args, **constexprs, **options)))
 
     workspace = TwoStageWorkspace.allocate(problem, sorting) if config.path == "two_stage" else None
-    lora_deltas = workspace is not None and problem.lora is not None
+    lora_deltas = workspace is not None and lora is not None
     if lora_deltas:
         on = dict(backend=backend, cuda_arch=cuda_arch_of(hidden_states.device),
                   pdl=pdl_enabled(config, problem, backend))

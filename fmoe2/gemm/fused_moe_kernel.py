@@ -37,7 +37,8 @@ Every adapter operand is loaded with H or I contiguous (see ``fmoe2/gemm/lora.py
 
 Only tiles whose rows use more than LORA_SLOTS adapters (possible when LORA_SLOTS < LORA_IDS)
 take further passes over H per group, with atomic adds into their rows. Tiles without adapters
-branch at run time to the plain loops. ``HAS_LORA=False`` compiles the plain kernel.
+branch at run time to the plain loops; in a batch without any (the sort's ``num_lora_tokens`` is
+0) no program loads its rows' adapter ids. ``HAS_LORA=False`` compiles the plain kernel.
 """
 import triton
 import triton.language as tl
@@ -161,6 +162,7 @@ def _fused_moe_kernel(
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
     sorted_expert_ids_ptr,  # [max_num_tiles] int32
     num_sorted_tiles_ptr,  # [1] int32, tiles in use
+    num_lora_tokens_ptr,  # [1] int32 (HAS_LORA): tokens with an adapter, counted by the sort
     num_tokens,  # M
     H,  # hidden size (logical)
     I,  # intermediate size (logical)
@@ -210,6 +212,10 @@ def _fused_moe_kernel(
     no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
     """
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's (or LoRA's) results
+    if HAS_LORA:
+        # Loaded with the tile's expert id: a batch without adapters then goes to the plain loops
+        # without waiting for its rows' adapter ids (and stage 1 adds no deltas).
+        batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
     pid = tl.program_id(0)
     num_slices = tl.cdiv(I, BLOCK_N)
     programs_per_group = GROUP_M * num_slices
@@ -242,9 +248,9 @@ def _fused_moe_kernel(
     w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
     w2_row0 = (expert * (stride_w2_e // stride_w2_h)).to(tl.int32)
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK  # stacked shrink width
-    if HAS_LORA:
+    if HAS_LORA and not STORE_Y:
         row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
-                                                                         num_loras, LORA_IDS)
+                                                                         num_loras, batch_has_lora, LORA_IDS)
         row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
     else:
         num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
@@ -254,9 +260,12 @@ def _fused_moe_kernel(
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None)
         if HAS_LORA:
-            if num_present > 0:  # add the deltas _lora_expand_kernel wrote (rows without an adapter have none)
+            # Add the deltas _lora_expand_kernel wrote; rows without an adapter have none. Nothing of
+            # this runs before or lives across the K loop, so tiles without adapters run it as plain.
+            if batch_has_lora:
+                row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
+                has = ((row_lora >= 0) & (row_lora < num_loras))[:, None] & n_valid[None, :]
                 delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * stride_delta13_m
-                has = (row_lora >= 0)[:, None] & n_valid[None, :]
                 gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
                 up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
     elif num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops

@@ -39,15 +39,19 @@ from ..grid_dependency import dependent_launch_prologue
 
 
 @triton.jit
-def _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras, LORA_IDS: tl.constexpr):
+def _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS: tl.constexpr):
     """Which adapters the tile's rows use, numbered densely in id order (their slots).
 
+    ``batch_has_lora``: whether any token of the batch has an adapter (the sort's count); without
+    one the rows' adapter ids are not loaded, so the plain loops need not wait for that load.
     Returns row_lora [BLOCK_M] (adapter id, -1: none, padding or out of range), row_slot
     [BLOCK_M] (-1 for none), present [LORA_IDS] (0/1 per adapter id), slot_of [LORA_IDS]
     (the slot of each present id) and num_present (slots in use).
     """
-    row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
-    row_lora = tl.where((row_lora >= 0) & (row_lora < num_loras), row_lora, -1)
+    row_lora = tl.full(token.shape, -1, tl.int32)
+    if batch_has_lora:
+        row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
+        row_lora = tl.where((row_lora >= 0) & (row_lora < num_loras), row_lora, -1)
     ids = tl.arange(0, LORA_IDS)
     uses = row_lora[:, None] == ids[None, :]
     present = tl.max(uses.to(tl.int32), axis=0)
@@ -125,16 +129,23 @@ def _split_gate_up(shrink, BLOCK_M: tl.constexpr, STACK: tl.constexpr):
 
 
 @triton.jit
+def _batch_lora_tokens(num_lora_tokens_ptr, PDL: tl.constexpr):
+    """The two-stage LoRA kernels' prologue: with PDL, wait for the previous launch (see
+    ``dependent_launch_prologue``); then the sort's count of tokens with an adapter. When it is 0
+    every program exits at once (a batch passed with adapters whose tokens all have -1)."""
+    dependent_launch_prologue(PDL)
+    return tl.load(num_lora_tokens_ptr)
+
+
+@triton.jit
 def _tile_rows(token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tile,
-               num_tokens, num_loras, BLOCK_M: tl.constexpr, LORA_IDS: tl.constexpr, PDL: tl.constexpr):
-    """A tile's rows and adapters, for the two-stage LoRA kernels (their prologue: with PDL it first
-    waits for the previous launch, see ``dependent_launch_prologue``).
+               num_tokens, num_loras, BLOCK_M: tl.constexpr, LORA_IDS: tl.constexpr):
+    """A tile's rows and adapters, for the two-stage LoRA kernels (after ``_batch_lora_tokens``).
 
     Returns expert (int64; -1 when the tile has nothing to do: beyond the sorted tiles, a gap
     tile, or no row with an adapter), offs_m [BLOCK_M] (sorted rows), token [BLOCK_M] (int64),
     row_valid, and ``_tile_slots``'s row_lora, row_slot, present, slot_of and num_present.
     """
-    dependent_launch_prologue(PDL)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     # Entries past the sorted tiles are stale (the grid is sized for the worst routing): loaded, never used.
     expert = tl.load(sorted_expert_ids_ptr + tile).to(tl.int64)
@@ -144,7 +155,7 @@ def _tile_rows(token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, 
     row_valid = token < tl.where(expert >= 0, num_tokens, 0)
     token = token.to(tl.int64)
     row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras,
-                                                                     LORA_IDS)
+                                                                     True, LORA_IDS)
     expert = tl.where(num_present > 0, expert, -1)
     return expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present
 
@@ -167,6 +178,7 @@ def _lora_shrink_kernel(
     sorted_token_ids_ptr,  # [num_grid_tiles * BLOCK_M] int32, padding = M
     sorted_expert_ids_ptr,  # [num_grid_tiles] int32, -1 on gap tiles
     num_sorted_tiles_ptr,  # [1] int32
+    num_lora_tokens_ptr,  # [1] int32: tokens with an adapter (from the sort)
     num_tokens,  # M
     K,  # shrink length: H (gate/up) or I (down)
     num_loras,
@@ -188,9 +200,11 @@ def _lora_shrink_kernel(
     for the rows with an adapter only (``_lora_expand_kernel`` sums the splits and reads no other row).
     Splitting K keeps the serial loop short at small batches, where few tiles would each walk all of
     H or I; every split also writes zeros for an empty share, so no partial is left unset."""
+    if _batch_lora_tokens(num_lora_tokens_ptr, PDL) == 0:
+        return
     expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present = _tile_rows(
         token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tl.program_id(0),
-        num_tokens, num_loras, BLOCK_M, LORA_IDS, PDL)
+        num_tokens, num_loras, BLOCK_M, LORA_IDS)
     if expert < 0:
         return
     k_begin, k_end = _split_share(K, BLOCK_K)
@@ -245,6 +259,7 @@ def _lora_expand_kernel(
     sorted_token_ids_ptr,  # [num_grid_tiles * BLOCK_M] int32, padding = M
     sorted_expert_ids_ptr,  # [num_grid_tiles] int32, -1 on gap tiles
     num_sorted_tiles_ptr,  # [1] int32
+    num_lora_tokens_ptr,  # [1] int32: tokens with an adapter (from the sort)
     num_tokens,  # M
     N,  # output columns per part: I (gate/up) or H (down)
     num_loras,
@@ -264,11 +279,13 @@ def _lora_expand_kernel(
 ):
     """Grid: (num_grid_tiles, num_splits); program (tile, split) expands the split-th share of the N
     columns: ``dst[row, part * N + n] (+)= scale * shrink[row, part] @ B[adapter, part, n]``. Tiles
-    without adapters exit at once; rows without an adapter are neither written nor added to (stage 1
-    masks them)."""
+    without adapters (all tiles, when the batch has none) exit at once; rows without an adapter are
+    neither written nor added to (stage 1 masks them)."""
+    if _batch_lora_tokens(num_lora_tokens_ptr, PDL) == 0:
+        return
     expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present = _tile_rows(
         token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, tl.program_id(0),
-        num_tokens, num_loras, BLOCK_M, LORA_IDS, PDL)
+        num_tokens, num_loras, BLOCK_M, LORA_IDS)
     if expert < 0:
         return
     n_begin, n_end = _split_share(N, BLOCK_N)

@@ -33,7 +33,9 @@ barrier to share one, and this keeps the sort to a single launch). The program t
 routing again, scatters its own entries with a running prefix sum and pads its range. Where
 the GPU has multiprocessors to spare, an expert gets 2 programs that each scatter half of the
 scan steps (``scatter_parts``). Up to ``MAX_ZERO_PROGRAMS`` extra programs, placed after the
-expert programs, zero the output buffer.
+expert programs, zero the output buffer. With adapters (``fused_moe(..., lora=...)``) one more
+program, the last, counts the tokens that have one (``num_lora_tokens``): the LoRA kernels read
+that count first, so a batch whose tokens all have -1 skips their adapter work.
 
 Measured (Qwen3-30B-A3B routing, E=128, topk=8, M=4096, zeroing a 16 MB output). Dense layout,
 H200: 256 zeroing programs launched before the expert programs took the sort from 34 us (no
@@ -83,10 +85,14 @@ class MoESortingResult:
     num_sorted_tiles: torch.Tensor  # int32 [1]: tiles in use = num_tokens_post_padded // block_m
     block_m: int  # rows per tile
     num_tokens: int  # M, also the padding id
+    # int32 [1], only when allocated with count_lora_tokens: tokens whose adapter id is in [0, num_loras)
+    num_lora_tokens: Optional[torch.Tensor] = None
 
     @classmethod
-    def allocate(cls, num_entries: int, num_experts: int, block_m: int, num_tokens: int, device) -> "MoESortingResult":
-        """Uninitialised worst-case buffers for ``num_entries = M*topk`` routing entries."""
+    def allocate(cls, num_entries: int, num_experts: int, block_m: int, num_tokens: int, device,
+                 count_lora_tokens: bool = False) -> "MoESortingResult":
+        """Uninitialised worst-case buffers for ``num_entries = M*topk`` routing entries (and, with
+        ``count_lora_tokens``, the adapter token count that the sort then writes)."""
         max_padded = max_num_tokens_padded(num_entries, num_experts, block_m)
         return cls(
             sorted_token_ids=torch.empty(max_padded, dtype=torch.int32, device=device),
@@ -96,6 +102,7 @@ class MoESortingResult:
             num_sorted_tiles=torch.empty(1, dtype=torch.int32, device=device),
             block_m=block_m,
             num_tokens=num_tokens,
+            num_lora_tokens=torch.empty(1, dtype=torch.int32, device=device) if count_lora_tokens else None,
         )
 
 
@@ -134,17 +141,31 @@ def _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs,
     return tl.where(keep, ids, 0).to(tl.int32), keep
 
 
+@triton.jit
+def _store_lora_token_count(token_lora_ids_ptr, num_lora_tokens_ptr, num_tokens, num_loras,
+                            SCAN_BLOCK: tl.constexpr):
+    """num_lora_tokens = tokens whose adapter id is in [0, num_loras). The LoRA kernels read it first
+    and, when it is 0, skip the tile's adapter ids (or, on the two-stage path, exit at once)."""
+    count = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
+    for start in range(0, num_tokens, SCAN_BLOCK):
+        offs = start + tl.arange(0, SCAN_BLOCK)
+        lora = tl.load(token_lora_ids_ptr + offs, mask=offs < num_tokens, other=-1)
+        count += ((lora >= 0) & (lora < num_loras)).to(tl.int32)
+    tl.store(num_lora_tokens_ptr, tl.sum(count, axis=0))
+
+
 @triton.jit(do_not_specialize=["num_zero_programs", "num_parts"])
 def _moe_sorting_kernel(
     topk_ids_ptr,  # [M * TOPK] int32/int64, row-major [M, TOPK]
     topk_weights_ptr,  # [M * TOPK] float
     expert_map_ptr,  # [num_global_experts] int32 (read only if HAS_EXPERT_MAP)
-    token_lora_ids_ptr,  # [M] int32 (read only if LORA_KEYS)
+    token_lora_ids_ptr,  # [M] int32 (read only if LORA_KEYS or COUNT_LORA_TOKENS)
     sorted_token_ids_ptr,  # [max_num_padded] int32
     sorted_weights_ptr,  # [max_num_padded] float32
     sorted_expert_ids_ptr,  # [max_num_padded // BLOCK_M] int32
     num_tokens_post_padded_ptr,  # [1] int32
     num_sorted_tiles_ptr,  # [1] int32
+    num_lora_tokens_ptr,  # [1] int32 (COUNT_LORA_TOKENS only)
     out_ptr,  # [out_numel] any dtype, zeroed when ZERO_OUT
     pad_id,  # id written into padding rows: M, or M * TOPK with EXPANDED_IDS
     num_entries,  # M * TOPK
@@ -153,7 +174,7 @@ def _moe_sorting_kernel(
     out_numel,
     num_zero_programs,  # programs that zero ``out`` (a runtime value: no recompile per batch size)
     num_parts,  # programs per expert: part p scatters the expert's entries in the p-th share of the scan steps
-    num_loras,  # adapters (LORA_KEYS only)
+    num_loras,  # adapters (LORA_KEYS or COUNT_LORA_TOKENS only)
     # meta-parameters
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
@@ -163,16 +184,22 @@ def _moe_sorting_kernel(
     HAS_EXPERT_MAP: tl.constexpr,
     EXPANDED_IDS: tl.constexpr,  # store token*TOPK+slot (vLLM's convention, for the baseline) instead of token
     LORA_KEYS: tl.constexpr,  # sort by (adapter, expert): the baseline's LoRA alignment
+    COUNT_LORA_TOKENS: tl.constexpr,  # one more program, the last, writes num_lora_tokens
     ZERO_OUT: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # the next launch is a programmatic dependent (CUDA sm_90+)
 ):
-    """Grid: (NUM_EXPERTS * num_parts + num_zero_programs,). Programs ``e * num_parts + p`` sort
-    expert e; the programs after them zero ``out`` (dispatched first, these delayed the sort: see
-    the module docstring)."""
+    """Grid: (NUM_EXPERTS * num_parts + num_zero_programs [+ 1 with COUNT_LORA_TOKENS],). Programs
+    ``e * num_parts + p`` sort expert e; the programs after them zero ``out`` (dispatched first, these
+    delayed the sort: see the module docstring); the last one counts the tokens with an adapter."""
     if LAUNCH_DEPENDENTS:  # let the next kernel be scheduled now; it waits for this one's results itself
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    if COUNT_LORA_TOKENS:
+        if pid == NUM_EXPERTS * num_parts + num_zero_programs:
+            _store_lora_token_count(token_lora_ids_ptr, num_lora_tokens_ptr, num_entries // TOPK, num_loras,
+                                    SCAN_BLOCK)
+            return
     expert = pid // num_parts
     part = pid % num_parts
     if ZERO_OUT:
@@ -329,25 +356,30 @@ def scatter_parts(num_keys: int, num_scan_steps: int, device) -> int:
 
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                           expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
-                          num_parts: Optional[int] = None, launch_dependents: bool = False):
+                          lora_keys: bool = False, num_parts: Optional[int] = None, launch_dependents: bool = False):
     """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
 
     ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
-    by the baseline in ``fmoe2.bench``; fmoe2 itself stores actual token ids. With
-    ``token_lora_ids`` the sort keys are ``adapter * num_experts + expert`` (``num_loras *
+    by the baseline in ``fmoe2.bench``; fmoe2 itself stores actual token ids. ``token_lora_ids``
+    (int32 ``[M]``, with ``num_loras`` adapters) is read in two cases: where ``result`` has
+    ``num_lora_tokens`` (fmoe2 with adapters) the sort counts the tokens with an adapter into it;
+    with ``lora_keys`` the sort keys are ``adapter * num_experts + expert`` (``num_loras *
     num_experts`` keys; ``result`` must be allocated for that many) and tokens without an adapter
     are dropped: the baseline's LoRA alignment. ``launch_dependents``: the next launch is a
     programmatic dependent (``FusedMoEConfig.pdl``); the sort lets it be scheduled at once.
     """
+    count_lora_tokens = result.num_lora_tokens is not None
+    if (lora_keys or count_lora_tokens) and token_lora_ids is None:
+        raise ValueError("token_lora_ids is required with lora_keys or a result that has num_lora_tokens")
     M, topk = topk_ids.shape
     num_entries = M * topk
     out_numel = out.numel() if out is not None else 0
     num_zero_programs = min(triton.cdiv(out_numel, ZERO_BLOCK), MAX_ZERO_PROGRAMS)
-    num_keys = num_experts * num_loras if token_lora_ids is not None else num_experts
+    num_keys = num_experts * num_loras if lora_keys else num_experts
     scan_block = min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK)
     if num_parts is None:
         num_parts = scatter_parts(num_keys, triton.cdiv(num_entries, scan_block), topk_ids.device)
-    grid = (num_keys * num_parts + num_zero_programs,)
+    grid = (num_keys * num_parts + num_zero_programs + int(count_lora_tokens),)
     args = dict(
         topk_ids_ptr=topk_ids,
         topk_weights_ptr=topk_weights,
@@ -359,6 +391,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         sorted_expert_ids_ptr=result.sorted_expert_ids,
         num_tokens_post_padded_ptr=result.num_tokens_post_padded,
         num_sorted_tiles_ptr=result.num_sorted_tiles,
+        num_lora_tokens_ptr=result.num_lora_tokens if count_lora_tokens else result.num_sorted_tiles,
         out_ptr=out if out is not None else result.sorted_weights,
         pad_id=num_entries if expanded_ids else M,
         num_entries=num_entries,
@@ -377,7 +410,8 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         FILL_BLOCK=min(max(triton.next_power_of_2(result.sorted_token_ids.numel()), 16), MAX_SCAN_BLOCK),
         HAS_EXPERT_MAP=expert_map is not None,
         EXPANDED_IDS=expanded_ids,
-        LORA_KEYS=token_lora_ids is not None,
+        LORA_KEYS=lora_keys,
+        COUNT_LORA_TOKENS=count_lora_tokens,
         ZERO_OUT=num_zero_programs > 0,
         ZERO_BLOCK=ZERO_BLOCK,
         LAUNCH_DEPENDENTS=launch_dependents,
@@ -386,14 +420,14 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
 
 
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
-                       expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
+                       expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0, lora_keys: bool = False,
                        num_parts: Optional[int] = None, launch_dependents: bool = False) -> None:
     """Launches the sorting kernel into the preallocated ``result`` buffers.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
-                                                            out, expanded_ids, token_lora_ids, num_loras, num_parts,
-                                                            launch_dependents)
+                                                            out, expanded_ids, token_lora_ids, num_loras, lora_keys,
+                                                            num_parts, launch_dependents)
     with on_device(topk_ids):
         _moe_sorting_kernel[grid](**args, **constexprs, **options)

@@ -41,3 +41,21 @@ def test_lora_report_lists_the_launch_times_where_measured(tmp_path):
     assert ("| tiny | 1024 | sort 3.0, lora_shrink13 4.0, lora_expand13 5.5, stage1 50.0, lora_shrink2 4.5, "
             "lora_expand2 3.5, stage2 30.0 |") in md
     assert "| tiny | 16 |" not in md.split("Launches of the mixed-adapter forward")[1]
+
+
+def test_lora_report_names_the_interleaved_rounds_of_a_run(tmp_path):
+    md = _write(tmp_path, "GPU", [_row(1, "fused", lora_path="fused", timing_rounds=3)])
+    assert "`python -m fmoe2.bench --lora`, 3 interleaved rounds" in md
+    md = _write(tmp_path, "OLD", [_row(1, "fused", lora_path="fused")])  # results from before the rounds
+    assert "interleaved rounds" not in md
+
+
+def test_time_interleaved_takes_turns_and_keeps_the_median(monkeypatch):
+    import fmoe2.bench.timing as timing
+
+    calls = []
+    fake = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+    monkeypatch.setattr(timing, "time_in_graph", lambda fn: fn())
+    got = timing.time_interleaved({name: (lambda name=name: calls.append(name) or next(fake[name]))
+                                   for name in ("a", "b")}, rounds=3)
+    assert calls == ["a", "b"] * 3 and got == {"a": 3.0, "b": 4.0}

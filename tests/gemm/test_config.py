@@ -121,6 +121,7 @@ def test_lora_stages_reach_only_the_lora_kernel():
     assert plain[0]["LORA_STAGES"] == plain[1]["LORA_STAGES"] == 1
     problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
     problem.token_lora_ids = torch.empty(M, dtype=torch.int32, device="meta")
+    sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta", count_lora_tokens=True)
     assert fused_kernel_launch(problem, problem.x, sorting, "silu", fitted, "cuda")[2]["LORA_STAGES"] == 3
 
 

@@ -129,7 +129,7 @@ def test_adapter_keyed_sort_split_over_several_programs(num_parts, monkeypatch):
     for parts in (1, num_parts):
         res = MoESortingResult.allocate(M * topk, E * num_loras, block_m, M, ids.device)
         launch_moe_sorting(ids, w, E, None, res, None, expanded_ids=True, token_lora_ids=lora_ids,
-                           num_loras=num_loras, num_parts=parts)
+                           num_loras=num_loras, lora_keys=True, num_parts=parts)
         results.append(res)
     for name in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded",
                  "num_sorted_tiles"):
@@ -143,6 +143,33 @@ def test_adapter_keyed_sort_split_over_several_programs(num_parts, monkeypatch):
     token, slot = rows[real] // topk, rows[real] % topk
     assert torch.equal(keys[real], lora_ids.cpu().long()[token] * E + ids.cpu().long()[token, slot])
     assert real.sum().item() == topk * (lora_ids >= 0).sum().item()
+
+
+@pytest.mark.parametrize("num_parts,with_out", [(1, False), (2, True)])
+def test_counts_tokens_with_an_adapter(num_parts, with_out, monkeypatch):
+    # fmoe2 with adapters: the sort also counts the tokens whose adapter id is in [0, num_loras)
+    # (16-entry scan blocks: the count loops over several steps), into a garbage-filled buffer, and
+    # leaves the sorted layout and the zeroing as they are without the count.
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_SCAN_BLOCK", 16)
+    M, topk, E, block_m, num_loras = 41, 2, 5, 16, 3
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]).int().to(DEVICE)
+    w = torch.rand(M, topk, generator=gen).to(DEVICE)
+    expected = check_sorting(ids, w, E, block_m)
+    res = MoESortingResult.allocate(M * topk, E, block_m, M, DEVICE, count_lora_tokens=True)
+    for lora_ids in (torch.randint(-2, num_loras + 2, (M,), generator=gen, dtype=torch.int32),  # out of range: none
+                     torch.full((M,), -1, dtype=torch.int32), torch.full((M,), num_loras - 1, dtype=torch.int32)):
+        res.num_lora_tokens.fill_(12345)
+        out = torch.full((M, 3), float("nan"), device=DEVICE) if with_out else None
+        launch_moe_sorting(ids, w, E, None, res, out, token_lora_ids=lora_ids.to(DEVICE), num_loras=num_loras,
+                           num_parts=num_parts)
+        assert res.num_lora_tokens.item() == ((lora_ids >= 0) & (lora_ids < num_loras)).sum().item()
+        for name in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded",
+                     "num_sorted_tiles"):
+            assert torch.equal(getattr(res, name), getattr(expected, name)), name
+        assert out is None or (out == 0).all()
+    with pytest.raises(ValueError, match="token_lora_ids is required"):
+        launch_moe_sorting(ids, w, E, None, res, None)
 
 
 def test_scatter_parts_rule():
