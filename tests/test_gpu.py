@@ -202,7 +202,7 @@ def test_lora_cuda_graph_follows_new_adapter_ids(path, pdl):
     lora = fmoe2.prepare_lora(make_lora(4, E, H, I, 16, torch.bfloat16, device="cuda"))
     lora_ids = torch.full((M,), -1, dtype=torch.int32, device="cuda")
     out = torch.empty_like(x)
-    # pdl on the two-stage path: stage 1 and 2 follow the (ordinary) LoRA delta launches.
+    # pdl on the two-stage path: the LoRA delta launches join the chain between the sort and the stages.
     cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=path), pdl=pdl)
     fused_moe(x, prepared, None, tw, ti, out=out, lora=lora, token_lora_ids=lora_ids, config=cfg)  # compile first
     graph = torch.cuda.CUDAGraph()

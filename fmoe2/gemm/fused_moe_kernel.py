@@ -260,8 +260,9 @@ def _fused_moe_kernel(
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None)
         if HAS_LORA:
-            # Add the deltas _lora_expand_kernel wrote; rows without an adapter have none. Nothing of
-            # this runs before or lives across the K loop, so tiles without adapters run it as plain.
+            # Add the deltas _lora_expand_kernel wrote; rows without an adapter have none (their
+            # loads are masked off). Nothing of this runs before or lives across the K loop, and in a
+            # batch without adapters none of it runs.
             if batch_has_lora:
                 row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
                 has = ((row_lora >= 0) & (row_lora < num_loras))[:, None] & n_valid[None, :]

@@ -369,8 +369,10 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     programmatic dependent (``FusedMoEConfig.pdl``); the sort lets it be scheduled at once.
     """
     count_lora_tokens = result.num_lora_tokens is not None
-    if (lora_keys or count_lora_tokens) and token_lora_ids is None:
-        raise ValueError("token_lora_ids is required with lora_keys or a result that has num_lora_tokens")
+    if (lora_keys or count_lora_tokens) != (token_lora_ids is not None):
+        raise ValueError("token_lora_ids goes with lora_keys=True or a result allocated with count_lora_tokens=True "
+                         f"(lora_keys={lora_keys}, count_lora_tokens={count_lora_tokens}, token_lora_ids "
+                         f"{'given' if token_lora_ids is not None else 'None'})")
     M, topk = topk_ids.shape
     num_entries = M * topk
     out_numel = out.numel() if out is not None else 0

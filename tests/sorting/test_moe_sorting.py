@@ -168,8 +168,10 @@ def test_counts_tokens_with_an_adapter(num_parts, with_out, monkeypatch):
                      "num_sorted_tiles"):
             assert torch.equal(getattr(res, name), getattr(expected, name)), name
         assert out is None or (out == 0).all()
-    with pytest.raises(ValueError, match="token_lora_ids is required"):
-        launch_moe_sorting(ids, w, E, None, res, None)
+    with pytest.raises(ValueError, match="token_lora_ids goes with"):
+        launch_moe_sorting(ids, w, E, None, res, None)  # a count to write, no ids to count
+    with pytest.raises(ValueError, match="token_lora_ids goes with"):  # ids that nothing would read
+        launch_moe_sorting(ids, w, E, None, expected, None, token_lora_ids=lora_ids.to(DEVICE), num_loras=num_loras)
 
 
 def test_scatter_parts_rule():
