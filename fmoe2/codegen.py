@@ -190,7 +190,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
     and ``fused_moe_stage1`` and ``moe_stage2`` too when the picked config uses the two-stage path.
     With ``lora_rank`` > 0 the kernels carry ``num_loras`` adapters of that rank: ``moe_sorting_lora``
-    (the sort with its count of tokens with an adapter), ``fused_moe_lora`` (the fused path), and where the picked config is two-stage, ``lora_shrink13``, ``lora_expand13``,
+    (the sort with its count of tokens with an adapter), ``fused_moe_lora`` (the fused path), and
+    where the picked config is two-stage, ``lora_shrink13``, ``lora_expand13``,
     ``fused_moe_stage1_lora``, ``lora_shrink2``, ``lora_expand2`` and ``moe_stage2`` instead of the
     plain stage 1.
     ``tma`` compiles the configs with ``tma=True`` (weight tiles through tensor descriptors), ``pdl``

@@ -216,7 +216,8 @@ def _lora_shrink_kernel(
         a_rows = a_ptr + token * stride_a_m
     offs_k = tl.arange(0, BLOCK_K)
     a_expert = lora_a_ptr + expert * stride_la_e
-    dst_rows = shrink_ptr + tl.program_id(1).to(tl.int64) * stride_shrink_split + offs_m.to(tl.int64) * (PARTS * LORA_RANK)
+    split = tl.program_id(1).to(tl.int64)
+    dst_rows = shrink_ptr + split * stride_shrink_split + offs_m.to(tl.int64) * (PARTS * LORA_RANK)
     # More than LORA_SLOTS adapters in a tile: one shrink per slot group.
     for first_slot in range(0, num_present, LORA_SLOTS):
         la_rows, a_slot, la_used = _stack(a_expert, stride_la_l, stride_la_r, present, slot_of, first_slot, LORA_IDS,
