@@ -127,9 +127,11 @@ def test_one_slot_tile_mixing_adapters(activation, path):
     assert_matches_reference(out, x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids)
 
 
-def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch):
+@pytest.mark.parametrize("out_of_range_ids", [False, True])
+def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch, out_of_range_ids):
     # Every workspace row that stage 1 and stage 2 read is written first (delta rows of tokens
-    # without an adapter are never read): NaN-filled workspaces must give the same result.
+    # without an adapter, -1 or an id outside [0, max_loras), are never read): NaN-filled
+    # workspaces must give the same result.
     fm = importlib.import_module("fmoe2.gemm.fused_moe")
     real = fm.TwoStageWorkspace.allocate.__func__
 
@@ -140,7 +142,11 @@ def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch):
         return ws
 
     monkeypatch.setattr(fm.TwoStageWorkspace, "allocate", classmethod(allocate_poisoned))
-    run_and_check(37, 3, 24, 56, 3, 16, torch.float16, config=SMALL_TWO_STAGE, seed=5)
+    M = 37
+    lora_ids = None  # run_and_check's mix: adapters 0..2 and -1
+    if out_of_range_ids:  # 3 adapters: 5, 7 and -3 mean none too
+        lora_ids = torch.tensor(([0, -1, 5, 1, -3, 2, 7] * 6)[:M], dtype=torch.int32, device=DEVICE)
+    run_and_check(M, 3, 24, 56, 3, 16, torch.float16, lora_ids=lora_ids, config=SMALL_TWO_STAGE, seed=5)
 
 
 def test_two_stage_lora_splits_the_shrink_and_the_expand_over_programs(monkeypatch):
