@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from ..grid_dependency import dependent_launch_prologue
-from .lora_kernel import _down_shrink, _expand_gate_up, _own_rows, _shrink_step, _split_gate_up, _stack, _tile_slots
+from .lora_kernel import (_down_shrink, _expand_gate_up, _own_rows, _shrink_step, _slice_tile, _split_gate_up, _stack,
+                          _tile_slots)
 
 
 @triton.jit
@@ -248,9 +249,27 @@ def _fused_moe_kernel(
     w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
     w2_row0 = (expert * (stride_w2_e // stride_w2_h)).to(tl.int32)
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK  # stacked shrink width
+    # Decode tiles (one slot: fewer routed rows than experts) with a small slice have a short K loop,
+    # so what sits around it is the long pole: there a batch without adapters skips numbering slots
+    # (cross-warp reductions before the first weight load) and the slice's B13t and A2 tiles are
+    # loaded before the loop (after it, each was one more wait on memory). Larger configs keep the
+    # plain order: there the skip raised sm_90 spills (Mixtral M=1024 defaults, Triton 3.9: 22 -> 98
+    # instructions) and tiles held across the loop overflowed shared memory (Qwen3 M=16, 4 slots,
+    # Triton 3.6: 237568 > 232448 bytes).
+    LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)
     if HAS_LORA and not STORE_Y:
-        row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
-                                                                         num_loras, batch_has_lora, LORA_IDS)
+        if LORA_DECODE:
+            row_lora = tl.full([BLOCK_M], -1, tl.int32)
+            row_slot = row_lora
+            present = tl.zeros([LORA_IDS], tl.int32)
+            slot_of = present
+            num_present = tl.full([], 0, tl.int32)
+            if batch_has_lora:
+                row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
+                                                                                 num_loras, True, LORA_IDS)
+        else:
+            row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
+                                                                             num_loras, batch_has_lora, LORA_IDS)
         row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
     else:
         num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
@@ -273,6 +292,10 @@ def _fused_moe_kernel(
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None)
+        if HAS_LORA and LORA_DECODE:
+            # Read only on the LoRA side of the down GEMM; defined here because a value leaves a
+            # run-time if only when both branches define it.
+            la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)
     else:
         dtype = x_ptr.dtype.element_ty
         a13_expert = lora_a13_ptr + expert * stride_la13_e
@@ -281,13 +304,25 @@ def _fused_moe_kernel(
         # Gate/up shrinks of the first slot group inside the base K loop, their expand after it.
         la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of, 0, LORA_IDS,
                                            LORA_SLOTS, LORA_RANK, 2)
+        if LORA_DECODE:
+            lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0,
+                                               LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+            lb_gate = _slice_tile(lb_rows, lb_used, offs_n, n_valid)
+            lb_uptile = _slice_tile(lb_rows + lb_up, lb_used, offs_n, n_valid)
+            la2_rows, d_slot, la2_used = _stack(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
+                                                present, slot_of, 0, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+            la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
         gate, up, shrink = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
                                     la_rows, la_used, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
                                     GATE_UP_INTERLEAVED, True, 2 * STACK, LORA_STAGES)
         shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
-        lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0, LORA_IDS,
-                                           LORA_SLOTS, LORA_RANK, 1)
-        gate, up = _expand_gate_up(gate, up, shrink_gate, shrink_up, lb_rows, lb_up, lb_used, offs_n, n_valid)
+        if LORA_DECODE:
+            gate = tl.dot(shrink_gate, lb_gate, gate, input_precision="ieee")
+            up = tl.dot(shrink_up, lb_uptile, up, input_precision="ieee")
+        else:
+            lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0,
+                                               LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+            gate, up = _expand_gate_up(gate, up, shrink_gate, shrink_up, lb_rows, lb_up, lb_used, offs_n, n_valid)
         if LORA_SLOTS < LORA_IDS:
             # Tiles using more than LORA_SLOTS adapters: one more pass over H per further group.
             offs_k = tl.arange(0, BLOCK_K)
@@ -329,10 +364,12 @@ def _fused_moe_kernel(
         b2_expert = lora_b2_ptr + expert * stride_lb2_e
         la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
                                             LORA_SLOTS, LORA_RANK, 1)
+        if not LORA_DECODE:
+            la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
         lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of, 0, LORA_IDS,
                                               LORA_SLOTS, LORA_RANK, 1)
         _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
-              _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),
+              _down_shrink(y, la2, row_slot, d_slot, row_scale),
               lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
         if LORA_SLOTS < LORA_IDS:
             # Further slot groups: their own pass over H, atomics on their rows only.
@@ -343,6 +380,7 @@ def _fused_moe_kernel(
                                                       first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
                 _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
                       stride_w2_h, offs_n, n_valid, H,
-                      _down_shrink(y, la2_rows, la2_used, offs_n, n_valid, row_slot, d_slot, row_scale),
+                      _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
+                                   row_scale),
                       lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, False, True,
                       LORA_STAGES)

@@ -73,12 +73,15 @@ def test_one_adapter_for_all_tokens_and_unprepared_lora(path):
 
 
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
-def test_no_token_has_an_adapter_gives_the_plain_result(path):
-    M, E, H, I, topk = 17, 4, 40, 32, 2
+@pytest.mark.parametrize("M", [17, 1])  # M=1: one-slot decode tiles, which skip numbering slots
+def test_no_token_has_an_adapter_gives_the_plain_result(path, M):
+    E, H, I, topk = 4, 40, 32, 2
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=3)
     lora = prepare_lora(make_lora(2, E, H, I, 16, torch.float16))
+    fm = importlib.import_module("fmoe2.gemm.fused_moe")
+    assert (fm.lora_constexprs(lora, num_rows=M * topk, num_experts=E)["LORA_SLOTS"] == 1) == (M == 1)
     # -1 and ids outside [0, max_loras) both mean "no adapter".
-    lora_ids = torch.tensor([-1, 2, 7, -5] * 4 + [-1], dtype=torch.int32, device=DEVICE)
+    lora_ids = torch.tensor(([-1, 2, 7, -5] * 5)[:M], dtype=torch.int32, device=DEVICE)
     out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids, config=CONFIGS[path])
     plain = fused_moe(x, w1, w2, tw, ti, config=CONFIGS[path])
     if DEVICE == "cpu":  # the interpreter adds in a fixed order: bitwise equal
