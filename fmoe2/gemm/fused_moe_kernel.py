@@ -255,7 +255,8 @@ def _fused_moe_kernel(
     # loaded before the loop (after it, each was one more wait on memory). Larger configs keep the
     # plain order: there the skip raised sm_90 spills (Mixtral M=1024 defaults, Triton 3.9: 22 -> 98
     # instructions) and tiles held across the loop overflowed shared memory (Qwen3 M=16, 4 slots,
-    # Triton 3.6: 237568 > 232448 bytes).
+    # Triton 3.6: 237568 > 232448 bytes). The slice bound: preloading at BLOCK_N=256 (Mixtral M=1,
+    # rank 16) spilled 121 instructions on sm_90.
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)
     if HAS_LORA and not STORE_Y:
         if LORA_DECODE:
@@ -307,8 +308,8 @@ def _fused_moe_kernel(
         if LORA_DECODE:
             lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0,
                                                LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
-            lb_gate = _slice_tile(lb_rows, lb_used, offs_n, n_valid)
-            lb_uptile = _slice_tile(lb_rows + lb_up, lb_used, offs_n, n_valid)
+            b13_gate_tile = _slice_tile(lb_rows, lb_used, offs_n, n_valid)
+            b13_up_tile = _slice_tile(lb_rows + lb_up, lb_used, offs_n, n_valid)
             la2_rows, d_slot, la2_used = _stack(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
                                                 present, slot_of, 0, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
             la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
@@ -317,8 +318,8 @@ def _fused_moe_kernel(
                                     GATE_UP_INTERLEAVED, True, 2 * STACK, LORA_STAGES)
         shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
         if LORA_DECODE:
-            gate = tl.dot(shrink_gate, lb_gate, gate, input_precision="ieee")
-            up = tl.dot(shrink_up, lb_uptile, up, input_precision="ieee")
+            gate = tl.dot(shrink_gate, b13_gate_tile, gate, input_precision="ieee")
+            up = tl.dot(shrink_up, b13_up_tile, up, input_precision="ieee")
         else:
             lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0,
                                                LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
@@ -362,6 +363,7 @@ def _fused_moe_kernel(
         # its own slot's columns); its expand t @ B2t[stack, h chunk] rides the down loop.
         a2_expert = lora_a2_ptr + expert * stride_la2_e
         b2_expert = lora_b2_ptr + expert * stride_lb2_e
+        # (Decode tiles use only d_slot here: their A2 tile was loaded before the K loop.)
         la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
                                             LORA_SLOTS, LORA_RANK, 1)
         if not LORA_DECODE:
