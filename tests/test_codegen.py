@@ -118,7 +118,7 @@ def test_sm90_lora_kernel_spills_at_most_a_few_registers(shape, rank):
     lora = [r for r in reports if r["kernel"] == "fused_moe_lora"]
     assert len(lora) == 4
     for r in lora:
-        if rank == 16:  # the benchmarked rank; rank 64 spills 43 at Mixtral M=1024 (not measured on a GPU)
+        if rank == 16:  # the benchmarked rank; rank 64 spills 246 at Mixtral M=1024 (Triton 3.9; not measured on a GPU)
             assert r["spill_instructions"] <= MAX_LORA_SPILLS, r
         # Pipelined per-adapter loops once needed 266 KB at rank 64 (an out-of-resources launch).
         assert r["shared_memory_bytes"] <= SM90_SHARED_MEMORY, r
@@ -163,10 +163,11 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
 def test_sm80_two_stage_lora_kernels_take_their_own_launch_settings():
     # lora_kernel_options picks per architecture: the sm_90 setting (4 warps, 4 stages at 64-row
     # tiles) spilled 280 instructions in the sm_80 down expand; sm_80 gets 8 warps, 2 stages.
-    reports = codegen("sm_80", "deepseek-v2-lite", "1024", "--lora-rank", "16")
+    # Qwen3 M=1024: the defaults' 32-row tiles (128-row tiles: see lora_kernel_options).
+    reports = codegen("sm_80", "qwen3-30b-a3b", "1024", "--lora-rank", "16")
     lora = {k: r for (k, _), r in reports.items() if k.startswith(("lora_shrink", "lora_expand"))}
     assert set(lora) == {"lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2"}
     for rep in lora.values():
         assert (rep["num_warps"], rep["num_stages"]) == (8, 2) and no_spills(rep), rep
-    sm90 = codegen("sm_90", "deepseek-v2-lite", "1024", "--lora-rank", "16")
+    sm90 = codegen("sm_90", "qwen3-30b-a3b", "1024", "--lora-rank", "16")
     assert (sm90[("lora_shrink13", 1024)]["num_warps"], sm90[("lora_shrink13", 1024)]["num_stages"]) == (4, 4)

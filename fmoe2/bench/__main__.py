@@ -1,7 +1,7 @@
 """Benchmark: ``python -m fmoe2.bench`` — fmoe2 vs a vLLM-style Triton path, end to end, bf16.
 
     python -m fmoe2.bench [--shapes mixtral-8x7b,qwen3-30b-a3b,deepseek-v2-lite | --shape E,H,I,topk]
-                          [--m 1,16,128,1024,4096] [--no-search] [--out-dir misc/bench]
+                          [--m 1,16,128,1024,4096] [--no-search] [--update] [--out-dir misc/bench]
     python -m fmoe2.bench --lora [--rank 16] [--num-loras 4] [--search]     (see fmoe2/bench/lora.py)
 
 Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
@@ -12,7 +12,9 @@ events, median of replays). Everything a caller pays is inside the timed call. T
 measures the device ceilings (copy bandwidth, bf16 matmul rate) for the floor
 ``max(bytes of the experts hit + activations / bandwidth, flops / rate)``, times each launch of
 fmoe2's forward alone and, at compute-bound points, the two GEMMs as dense cuBLAS batched products.
-Writes ``<out-dir>/<device>__<shape>.json`` and regenerates ``<out-dir>/<device>.md`` and the plots;
+Writes ``<out-dir>/<device>__<shape>.json`` (with ``--update``, only the rows of the batch sizes
+rerun are replaced; the file then lists each run its rows come from) and regenerates
+``<out-dir>/<device>.md`` and the plots;
 ``python -m fmoe2.bench.report --write-configs`` turns fmoe2's searched configs into tuned files.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import check_fused_moe_args, fit_given_config, forward_launches
 from fmoe2.shapes import SHAPES
 
-from .report import write_report
+from .report import merge_results, write_report
 from .search import baseline_candidates, search, search_fmoe2
 from .timing import time_in_graph
 from .vllm_style import vllm_style_fused_experts
@@ -167,6 +169,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default=None, help="a custom shape E,H,I,topk (replaces --shapes)")
     p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
     p.add_argument("--no-search", action="store_true", help="use default configs instead of searching")
+    p.add_argument("--update", action="store_true",
+                   help="rerun only the batch sizes of --m: the result file keeps its rows of other batch sizes "
+                        "(each row names the run it comes from)")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", action="store_true",
@@ -212,8 +217,12 @@ def main(argv=None) -> int:
     for name, shape in shapes.items():
         rows = bench_shape(name, shape, ms, not a.no_search, ceilings, gen)
         path = os.path.join(a.out_dir, f"{device_config_name()}__{name}.json")
+        result = {**meta, "results": rows}
+        if a.update and os.path.exists(path):
+            with open(path) as f:
+                result = merge_results(json.load(f), result)
         with open(path, "w") as f:
-            json.dump({**meta, "results": rows}, f, indent=1)
+            json.dump(result, f, indent=1)
     print(write_report(a.out_dir, device_config_name()))
     return 0
 

@@ -24,6 +24,36 @@ def _load(out_dir: str, device: str):
     return runs
 
 
+def merge_results(old: dict, new: dict) -> dict:
+    """A partial rerun (``python -m fmoe2.bench --update``): ``new``'s rows replace ``old``'s rows of
+    the same batch sizes, the other rows of ``old`` stay. Every row keeps the date of the run it comes
+    from (``run_date``) and the file keeps the metadata of each earlier run that still has rows
+    (``earlier_runs``): its date, command, versions and ceilings."""
+    new_ms = {r["M"] for r in new["results"]}
+    meta_keys = [k for k in old if k not in ("results", "earlier_runs")]
+    kept = [dict(r, run_date=r.get("run_date", old["date"])) for r in old["results"] if r["M"] not in new_ms]
+    rows = sorted(kept + [dict(r, run_date=new["date"]) for r in new["results"]], key=lambda r: r["M"])
+    dates = {r["run_date"] for r in kept}
+    earlier = [run for run in [{k: old[k] for k in meta_keys}] + old.get("earlier_runs", []) if run["date"] in dates]
+    return {**{k: v for k, v in new.items() if k != "earlier_runs"}, "results": rows, "earlier_runs": earlier}
+
+
+def _run_lines(runs) -> list:
+    """One line per run (one command; a run may cover several shapes, a table several runs); a run
+    that gave only some rows of a shape's file names their batch sizes."""
+    by_run = {}
+    for file in runs:
+        rows = file["results"]
+        for run in [file] + file.get("earlier_runs", []):
+            shape = rows[0]["shape"] if rows else ""
+            if file.get("earlier_runs"):
+                shape += " M=" + ",".join(str(r["M"]) for r in rows if r.get("run_date", file["date"]) == run["date"])
+            by_run.setdefault((run["date"], run["command"]), (run, []))[1].append(shape)
+    return [f"  - {date}: `{command}` ({', '.join(shapes)}; copy {r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} "
+            f"TB/s, bf16 matmul {r['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; torch {r['torch']}, "
+            f"Triton {r['triton']})" for (date, command), (r, shapes) in sorted(by_run.items())]
+
+
 def _table(runs) -> str:
     lines = ["| shape | M | fmoe2 (us) | path | fused path only (us) | baseline (us) | speedup | fmoe2 / floor | "
              "sort (us) / budget | fmoe2 default config, no tuned file (us) | rel. err fmoe2 / baseline |",
@@ -105,15 +135,8 @@ def write_report(out_dir: str, device: str, plot_dir: str = None) -> str:
         return f"no results for {device} in {out_dir}"
     plot_dir = plot_dir or os.path.dirname(os.path.abspath(out_dir))
     head = runs[0]
-    # One line per run (one command; a run may cover several shapes, a table several runs).
-    by_run = {}
-    for r in runs:
-        by_run.setdefault((r["date"], r["command"]), (r, []))[1].append(r["results"][0]["shape"] if r["results"] else "")
-    run_lines = [f"  - {date}: `{command}` ({', '.join(shapes)}; copy {r['ceilings']['copy_bytes_per_s'] / 1e12:.2f} "
-                 f"TB/s, bf16 matmul {r['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; torch {r['torch']}, "
-                 f"Triton {r['triton']})" for (date, command), (r, shapes) in sorted(by_run.items())]
     md = [f"# fmoe2 benchmark on {head['device']}", "",
-          "- runs (date, command, shape, ceilings measured in the same run, versions):", *run_lines,
+          "- runs (date, command, shape, ceilings measured in the same run, versions):", *_run_lines(runs),
           "- timing: 10 calls per CUDA graph, CUDA events, median of 50 replays; sort and zeroing inside fmoe2's "
           "time, alignment, activation and top-k sum inside the baseline's", "",
           _table(runs)]

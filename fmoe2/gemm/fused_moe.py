@@ -310,7 +310,9 @@ def lora_kernel_options(block_m: int, backend: str, cuda_arch: Optional[int]) ->
     114.8 / 77.3 / 45.0 us against 172.7 / 107.9 / 62.6 with 8 warps, 2 stages, BLOCK_K=128. That
     holds though the sm_90 gate/up expand then spills 10 instructions at 64-row tiles; at 128 rows 4
     warps spilled hundreds. Older CUDA GPUs (not measured): 8 warps, 2 stages, where sm_80 code has
-    no spills (with 4 warps the sm_80 down expand spilled 280 instructions at 64-row tiles). HIP:
+    no spills up to 64-row tiles (with 4 warps the sm_80 down expand spilled 280 instructions at 64
+    rows); at 128 rows Triton 3.9 spills 4 instructions in the gate/up shrink and Triton 3.6 42 in the
+    down expand (3 stages: none under 3.9, 58 under 3.6; kept at 2 until measured on one). HIP:
     8 warps, 2 stages (4 stages of the shrink's tiles would not fit gfx942's 64 KiB of LDS;
     compiled without spills, see ``fmoe2.codegen``)."""
     if backend == "hip" or (cuda_arch is not None and cuda_arch < 90):

@@ -83,3 +83,33 @@ def test_variants_cover_the_opt_in_features_and_decode_two_stage():
     assert any(c.path == "two_stage" and c.BLOCK_N <= 64 for c in decode.values())
     large = variants_of(fmoe2.get_config(4096, E, H, I, topk, torch.bfloat16), 4096, E, H, I, topk)
     assert set(large) == {"picked", "tma", "pdl", "tma+pdl"}
+
+
+def test_update_replaces_only_the_rerun_batch_sizes(tmp_path):
+    from fmoe2.bench.report import merge_results
+
+    def run(date, command, ms, us):
+        rows = [dict(shape="s", E=4, H=8, I=8, topk=2, M=M, fmoe2_us=us, baseline_us=2 * us, speedup=2.0,
+                     floor_us=1.0, fraction_of_floor=0.5, sort_us=1.0, sort_budget_us=10.0,
+                     fmoe2_default_config_us=us, fmoe2_rel_err=0.0, baseline_rel_err=0.0, fmoe2_config={"BLOCK_M": M})
+                for M in ms]
+        return dict(device="GPU X", date=date, command=command, torch="t", triton="tr",
+                    ceilings={"copy_bytes_per_s": 1e12, "bf16_flops_per_s": 1e15}, results=rows)
+
+    first = run("d1", "bench all", [1, 16, 128], 3.0)
+    second = merge_results(first, run("d2", "bench --m 16", [16], 5.0))
+    assert [(r["M"], r["fmoe2_us"], r["run_date"]) for r in second["results"]] == [(1, 3.0, "d1"), (16, 5.0, "d2"),
+                                                                                   (128, 3.0, "d1")]
+    assert second["date"] == "d2" and [r["command"] for r in second["earlier_runs"]] == ["bench all"]
+    third = merge_results(second, run("d3", "bench --m 1,128", [1, 128], 7.0))
+    assert [r["run_date"] for r in third["results"]] == ["d3", "d2", "d3"]
+    assert [r["command"] for r in third["earlier_runs"]] == ["bench --m 16"]  # d1 has no rows left
+    (tmp_path / "GPU_X__s.json").write_text(json.dumps(third))
+    write_report(str(tmp_path), "GPU_X", plot_dir=str(tmp_path))
+    md = (tmp_path / "GPU_X.md").read_text()
+    assert "  - d2: `bench --m 16` (s M=16;" in md and "  - d3: `bench --m 1,128` (s M=1,128;" in md
+    assert "d1" not in md and "| s | 16 | 5.0 |" in md and "| s | 128 | 7.0 |" in md
+    # Tuned files come from every row, whichever run it comes from.
+    from fmoe2.bench.report import write_tuned_configs
+    (path,) = write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
+    assert set(json.loads(open(path).read())) == {"1", "16", "128"}
