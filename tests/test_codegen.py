@@ -107,7 +107,7 @@ def test_sm90_pdl_configs_wait_for_the_previous_launch():
 
 @pytest.mark.parametrize("shape,rank", [("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16), ("mixtral-8x7b", 64)])
 def test_sm90_lora_kernel_spills_at_most_a_few_registers(shape, rank):
-    # BLOCK_M=32 is what the defaults pick for Qwen3 at M=1024; per-adapter loops once spilled 182
+    # BLOCK_M=32 was what the defaults picked for Qwen3 at M=1024; per-adapter loops once spilled 182
     # instructions there (measured slow on the H200); the stacked adapter operands keep it. A handful
     # of spill instructions outside the loops is the cost of keeping the plain BLOCK_K (measured faster).
     env = codegen_env()
@@ -163,7 +163,7 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
 def test_sm80_two_stage_lora_kernels_take_their_own_launch_settings():
     # lora_kernel_options picks per architecture: the sm_90 setting (4 warps, 4 stages at 64-row
     # tiles) spilled 280 instructions in the sm_80 down expand; sm_80 gets 8 warps, 2 stages.
-    # Qwen3 M=1024: the defaults' 32-row tiles (128-row tiles: see lora_kernel_options).
+    # Qwen3 M=1024: the defaults' 64-row tiles (128-row tiles: see lora_kernel_options).
     reports = codegen("sm_80", "qwen3-30b-a3b", "1024", "--lora-rank", "16")
     lora = {k: r for (k, _), r in reports.items() if k.startswith(("lora_shrink", "lora_expand"))}
     assert set(lora) == {"lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2"}
