@@ -163,6 +163,17 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
     return rows
 
 
+def write_results(path: str, result: dict, update: bool = False) -> dict:
+    """Writes one shape's result file; with ``update`` an existing file keeps its rows of the batch
+    sizes not in ``result`` (``merge_results``). Returns what was written."""
+    if update and os.path.exists(path):
+        with open(path) as f:
+            result = merge_results(json.load(f), result)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fmoe2.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(SHAPES)}")
@@ -180,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-loras", type=int, default=4, help="adapters with --lora")
     p.add_argument("--search", action="store_true", help="with --lora: search fmoe2's config (either path) for LoRA")
     a = p.parse_args(argv)
+    if a.update and (a.lora or a.no_search):
+        # --lora writes its own files whole; unsearched rows would become tuned configs (--write-configs).
+        p.error("--update reruns searched plain results only (not with --lora or --no-search)")
     if not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA or ROCm GPU")
     if a.shape:
@@ -217,12 +231,7 @@ def main(argv=None) -> int:
     for name, shape in shapes.items():
         rows = bench_shape(name, shape, ms, not a.no_search, ceilings, gen)
         path = os.path.join(a.out_dir, f"{device_config_name()}__{name}.json")
-        result = {**meta, "results": rows}
-        if a.update and os.path.exists(path):
-            with open(path) as f:
-                result = merge_results(json.load(f), result)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(path, {**meta, "results": rows}, update=a.update)
     print(write_report(a.out_dir, device_config_name()))
     return 0
 

@@ -19,11 +19,11 @@ T = TypeVar("T")
 
 def block_m_candidates(M: int, E: int, topk: int) -> Sequence[int]:
     """Tile heights tried at ``M*topk/E`` routed rows per expert. Tiles taller than the rows an expert
-    gets are tried too: where the weights are what is read (up to a few hundred rows) one tall tile
-    reads an expert's weights once where short tiles read them again. H100, 2026-11-24: adding
-    BLOCK_M=128 at 96-256 rows per expert took fmoe2 from 2008 to 1537-1637 us (Mixtral M=1024),
-    1031 to 775-824 (Qwen3 M=4096), 476 to 445-450 (DeepSeek M=1024), and the baseline from 2269
-    to 1822, 1110 to 958, 518 to 484."""
+    gets are tried too: where the weights are much of what is read (up to a few hundred rows) one
+    tall tile reads an expert's weights once where short tiles read them again. 2026-11-24 added
+    64-row tiles at 17-64 rows and 128-row tiles at 65-256 (measured at 96 and 256 rows). H100
+    bench (misc/bench, 2026-11-23 -> 2026-11-24, fmoe2 / baseline): Mixtral M=1024 2021 / 2332 ->
+    1734 / 1863 us, Qwen3 M=4096 1023 / 1129 -> 821 / 979, DeepSeek M=1024 462 / 506 -> 445 / 485."""
     tokens_per_expert = M * topk / E
     if tokens_per_expert <= 16:
         return (16,)

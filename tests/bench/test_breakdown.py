@@ -86,30 +86,45 @@ def test_variants_cover_the_opt_in_features_and_decode_two_stage():
 
 
 def test_update_replaces_only_the_rerun_batch_sizes(tmp_path):
-    from fmoe2.bench.report import merge_results
+    from fmoe2.bench.report import merge_results, write_tuned_configs
 
-    def run(date, command, ms, us):
+    def run(date, command, ms, us, copy):
         rows = [dict(shape="s", E=4, H=8, I=8, topk=2, M=M, fmoe2_us=us, baseline_us=2 * us, speedup=2.0,
                      floor_us=1.0, fraction_of_floor=0.5, sort_us=1.0, sort_budget_us=10.0,
                      fmoe2_default_config_us=us, fmoe2_rel_err=0.0, baseline_rel_err=0.0, fmoe2_config={"BLOCK_M": M})
                 for M in ms]
-        return dict(device="GPU X", date=date, command=command, torch="t", triton="tr",
-                    ceilings={"copy_bytes_per_s": 1e12, "bf16_flops_per_s": 1e15}, results=rows)
+        return dict(device="GPU X", date=date, command=command, torch="t" + date, triton="tr",
+                    ceilings={"copy_bytes_per_s": copy, "bf16_flops_per_s": 1e15}, results=rows)
 
-    first = run("d1", "bench all", [1, 16, 128], 3.0)
-    second = merge_results(first, run("d2", "bench --m 16", [16], 5.0))
-    assert [(r["M"], r["fmoe2_us"], r["run_date"]) for r in second["results"]] == [(1, 3.0, "d1"), (16, 5.0, "d2"),
-                                                                                   (128, 3.0, "d1")]
-    assert second["date"] == "d2" and [r["command"] for r in second["earlier_runs"]] == ["bench all"]
-    third = merge_results(second, run("d3", "bench --m 1,128", [1, 128], 7.0))
-    assert [r["run_date"] for r in third["results"]] == ["d3", "d2", "d3"]
-    assert [r["command"] for r in third["earlier_runs"]] == ["bench --m 16"]  # d1 has no rows left
-    (tmp_path / "GPU_X__s.json").write_text(json.dumps(third))
+    path = str(tmp_path / "GPU_X__s.json")
+    bench_main.write_results(path, run("d1", "bench all", [1, 16, 128], 3.0, 1e12))
+    bench_main.write_results(path, run("d2", "bench --m 16", [16], 5.0, 2e12), update=True)
+    # d1 keeps rows (M=1, 128) two merges back: its own date and metadata must survive.
+    third = bench_main.write_results(path, run("d3", "bench --m 16 again", [16], 7.0, 3e12), update=True)
+    assert [(r["M"], r["fmoe2_us"], r["run_date"]) for r in third["results"]] == [(1, 3.0, "d1"), (16, 7.0, "d3"),
+                                                                                  (128, 3.0, "d1")]
+    assert third["date"] == "d3" and [(r["command"], r["torch"]) for r in third["earlier_runs"]] == [("bench all", "td1")]
+    fourth = merge_results(third, run("d4", "bench --m 1", [1], 9.0, 4e12))
+    assert [r["run_date"] for r in fourth["results"]] == ["d4", "d3", "d1"]
+    assert [r["command"] for r in fourth["earlier_runs"]] == ["bench --m 16 again", "bench all"]  # newest first
+    fifth = merge_results(fourth, run("d5", "bench --m 128", [128], 11.0, 5e12))  # d1 has no rows left
+    assert [r["command"] for r in fifth["earlier_runs"]] == ["bench --m 1", "bench --m 16 again"]  # newest first
+    (tmp_path / "GPU_X__s.json").write_text(json.dumps(fifth))
     write_report(str(tmp_path), "GPU_X", plot_dir=str(tmp_path))
     md = (tmp_path / "GPU_X.md").read_text()
-    assert "  - d2: `bench --m 16` (s M=16;" in md and "  - d3: `bench --m 1,128` (s M=1,128;" in md
-    assert "d1" not in md and "| s | 16 | 5.0 |" in md and "| s | 128 | 7.0 |" in md
+    # Each run line has that run's batch sizes, ceilings and versions.
+    assert ("  - d3: `bench --m 16 again` (s M=16; copy 3.00 TB/s, bf16 matmul 1000 TFLOP/s; torch td3, Triton tr)"
+            in md)
+    assert "  - d4: `bench --m 1` (s M=1; copy 4.00 TB/s, bf16 matmul 1000 TFLOP/s; torch td4, Triton tr)" in md
+    assert "  - d5: `bench --m 128` (s M=128; copy 5.00 TB/s" in md
+    assert "d1" not in md and "d2" not in md and "| s | 16 | 7.0 |" in md and "| s | 128 | 11.0 |" in md
     # Tuned files come from every row, whichever run it comes from.
-    from fmoe2.bench.report import write_tuned_configs
-    (path,) = write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
-    assert set(json.loads(open(path).read())) == {"1", "16", "128"}
+    (tuned,) = write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
+    assert set(json.loads(open(tuned).read())) == {"1", "16", "128"}
+
+
+@pytest.mark.parametrize("flag", ["--lora", "--no-search"])
+def test_update_refuses_results_it_cannot_merge(flag, capsys):
+    with pytest.raises(SystemExit):
+        bench_main.main(["--update", flag])
+    assert "--update" in capsys.readouterr().err
