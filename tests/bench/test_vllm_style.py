@@ -30,6 +30,15 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         assert (len(two_stage) <= 4) == (M * topk / E <= 16)
 
 
+def test_search_tries_tiles_taller_than_the_rows_per_expert():
+    # Up to a few hundred rows per expert one tall tile reads an expert's weights once (see
+    # block_m_candidates): 64 rows per expert try 64-row tiles, 96 and 256 try 128-row tiles.
+    assert max(block_m_candidates(1024, 128, 8)) == 64  # Qwen3 M=1024: 64 rows per expert
+    assert max(block_m_candidates(1024, 64, 6)) == 128  # DeepSeek M=1024: 96
+    assert max(block_m_candidates(1024, 8, 2)) == 128  # Mixtral M=1024: 256
+    assert block_m_candidates(1, 8, 2) == (16,)
+
+
 @pytest.mark.parametrize("M,E,H,I,topk,rank", [(5, 4, 32, 24, 2, 8), (21, 3, 40, 20, 3, 16)])
 def test_baseline_lora_matches_reference(M, E, H, I, topk, rank):
     from fmoe2.bench.vllm_style_lora import prepare_baseline_lora, vllm_style_fused_experts_lora

@@ -16,6 +16,18 @@ def test_defaults_follow_tokens_per_expert_and_clamp():
     assert tiny.BLOCK_N <= 32 and tiny.BLOCK_K <= 64 and tiny.BLOCK_H <= 64
 
 
+def test_cuda_defaults_give_tiles_as_tall_as_the_rows_per_expert():
+    # The searches of 2026-11-24 (H100, H200) picked 64-row tiles at 32-64 routed rows per expert and
+    # 128-row tiles at 96-384; shorter tiles read each expert's weights again (up to 1.375x slower).
+    cpu = torch.device("cpu")
+    pick = lambda M, E, H, I, topk: get_config(M, E, H, I, topk, torch.bfloat16, backend="cuda", device=cpu)
+    assert pick(128, 8, 4096, 14336, 2).BLOCK_M == 64  # Mixtral M=128: 32 rows per expert
+    assert pick(1024, 128, 2048, 768, 8).BLOCK_M == 64  # Qwen3 M=1024: 64
+    for M, E, H, I, topk in ((1024, 64, 2048, 1408, 6), (1024, 8, 4096, 14336, 2), (4096, 64, 2048, 1408, 6)):
+        cfg = pick(M, E, H, I, topk)  # 96, 256 and 384 rows per expert
+        assert cfg.BLOCK_M == 128 and cfg.path == "two_stage", (M, E, cfg)
+
+
 def test_hip_options_only_on_hip():
     cfg = get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="hip", arch="gfx942")
     assert {"waves_per_eu", "matrix_instr_nonkdim"} <= set(cfg.launch_options("hip"))
