@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm.config import fit_lora_config, get_config
+from .gemm.config import fit_lora_config, fused_grid_fits_one_wave, get_config
 from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_expand_launch,
                              lora_shrink_launch, stage2_kernel_launch)
 from .gemm.fused_moe_kernel import _fused_moe_kernel
@@ -50,6 +50,9 @@ TARGETS = {
     "gfx942": GPUTarget("hip", "gfx942", 64),
     "gfx950": GPUTarget("hip", "gfx950", 64),
 }
+# Multiprocessors (compute units) of a GPU of each target, for the one-wave rule of fit_lora_config:
+# A100, H100/H200 SXM, B200, MI250X (one die), MI300X, MI355X.
+TARGET_MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132, "sm_100": 148, "gfx90a": 110, "gfx942": 304, "gfx950": 256}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64"}
@@ -237,7 +240,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
         common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
         suffix = "_lora"
-        lora_config = fit_lora_config(fused_config)
+        one_wave = fused_grid_fits_one_wave(fused_config, M, E, inter, topk, TARGET_MULTIPROCESSORS[target_name])
+        lora_config = fit_lora_config(fused_config, one_wave)
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
                                                                 token_lora_ids=problem.token_lora_ids,

@@ -32,6 +32,9 @@ from typing import Dict, Optional
 import torch
 import triton
 
+from .._validation import interpreter_enabled
+from ..sorting import max_busy_tiles
+
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 HIP_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 PATHS = ("fused", "two_stage")
@@ -55,6 +58,8 @@ MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused p
 # vs 270.3 us; two-stage ahead from M=16 (4): 1004.5 vs 973.7 us, M=128 (32) 1239.3 vs 1083.5 us. (With the
 # earlier one-kernel deltas, whose programs each walked the whole shrink, two-stage was behind up to M=16.)
 LORA_FUSED_MAX_TOKENS_PER_EXPERT = 1
+# Multiprocessors assumed where no GPU is here to ask (fmoe2.codegen, the CPU interpreter): the H100's and H200's.
+DEFAULT_NUM_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -164,33 +169,68 @@ def _arch_key(device) -> Optional[str]:
     return arch.split(":")[0] or None
 
 
-def fit_lora_config(cfg: FusedMoEConfig) -> FusedMoEConfig:
+def num_multiprocessors(device=None) -> int:
+    """Multiprocessors (compute units on ROCm) of a CUDA/HIP ``device`` (None: the current one);
+    ``DEFAULT_NUM_SMS`` for a CPU or meta device, without a GPU and under the interpreter."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda" or interpreter_enabled():
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:
+    """Whether the fused kernel's grid, the most tiles any routing can fill (``max_busy_tiles``)
+    times the I slices (``ceil(I / BLOCK_N)``), holds at most one program per multiprocessor. On
+    132 multiprocessors: DeepSeek-V2-Lite (BLOCK_N=128) up to M=2, Mixtral (BLOCK_N=256) at M=1."""
+    return max_busy_tiles(M * topk, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N) <= num_sms
+
+
+def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool) -> FusedMoEConfig:
     """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
-    Two-stage configs come back unchanged: their loops carry no adapter work (the deltas come from
-    ``_lora_shrink_kernel`` and ``_lora_expand_kernel``, see ``fmoe2/gemm/lora_kernel.py``).
+    ``one_wave``: the grid holds at most one program per multiprocessor
+    (:func:`fused_grid_fits_one_wave`). Two-stage configs come back unchanged: their loops carry
+    no adapter work (the deltas come from ``_lora_shrink_kernel`` and ``_lora_expand_kernel``,
+    see ``fmoe2/gemm/lora_kernel.py``).
 
     Tiles without adapters run the plain loops with the config's num_stages; only the loops that
-    carry adapter work get ``lora_num_stages``. Measured with ``python -m fmoe2.codegen --target
-    sm_90 --lora-rank 16`` and on the H200 (rank 16, 4 adapters):
+    carry adapter work get ``lora_num_stages``. But warps and shared memory are the whole kernel's,
+    and they set how many programs share a multiprocessor. Measured with ``python -m fmoe2.codegen
+    --target sm_90 --lora-rank 16`` and ``python -m fmoe2.bench.lora_settings`` (results in
+    ``misc/bench/lora/settings_<device>.json``, 2026-11-24; rank 16, 4 adapters; ratios to the plain
+    forward, mixed adapters / every token -1, the variants taking turns over 5 rounds):
 
-    * 4 warps with BLOCK_N >= 128 spilled: 8 warps;
-    * the LoRA K loop keeps 4 stages only with small weight tiles (Qwen3 M=1, BLOCK_N=64 x
-      BLOCK_K=128: 135 KB; 4 stages ran 1.07x faster than 3 there); BLOCK_N=128 x BLOCK_K=128
-      needed 233-307 KB;
-    * with 64-row tiles BLOCK_N=256 x BLOCK_K=64 needed 264 KiB at 3 stages: BLOCK_K is halved
+    * 8 warps where the pick has 4 and BLOCK_N >= 128, unless the grid is one wave. Beyond one
+      wave 8 warps ran mixed adapters faster: H200 DeepSeek M=16 1.088x / 1.021x against 1.105x /
+      1.011x with the pick's 4, Qwen3 M=16 1.132x / 1.029x against 1.152x / 1.018x, Qwen3 M=128
+      1.156x / 1.009x against 1.167x / 1.014x. Within one wave the pick's 4 warps cost adapter-free
+      tokens less on the H200: DeepSeek M=1 1.207x / 1.041x with 8, 1.193x / 1.027x with 4;
+      Mixtral M=1 1.034x / 1.013x, 1.036x / 1.003x. On the H100 DeepSeek M=1 gave 1.090x / 1.017x
+      with 8, 1.105x / 1.017x with 4 (an earlier run: 1.087x / 1.021x, 1.099x / 1.011x). The sm_90
+      LoRA kernel then spills some: 31 instructions at DeepSeek's BLOCK_N=128 x BLOCK_K=64 without
+      tensor descriptors (none with), 54 at the H200 Mixtral M=1 pick (BLOCK_N=256 x BLOCK_K=64,
+      whose plain kernel spills 40 with its 4 warps) (Triton 3.9).
+    * The LoRA loops get 4 stages only with small weight tiles (2 x BLOCK_N x BLOCK_K <= 16384;
+      BLOCK_N=128 x BLOCK_K=128 needed 233-307 KB) and only within one wave: 4 stages of BLOCK_N=128
+      x BLOCK_K=64 take 150 KB of shared memory (104 KB with 3), one program per multiprocessor
+      instead of two. That pays within one wave (H100 DeepSeek M=1, 4 warps: 1.105x with 4 stages,
+      1.156x with 3; H200 Qwen3 M=1: 1.145x, 1.227x) and costs every tile beyond (H200 DeepSeek
+      M=128: 1.152x / 1.022x with 4, 1.126x / 1.005x with 3).
+    * With 64-row tiles BLOCK_N=256 x BLOCK_K=64 needed 264 KiB at 3 stages: BLOCK_K is halved
       (Mixtral M=1024: mixed adapters 1.71x of the plain forward; keeping BLOCK_K=64 with 2 LoRA
       stages: 1.98x, though tiles without adapters then ran 1.15x instead of 1.34x).
     """
     if cfg.path != "fused":
         return cfg
-    num_warps = 8 if cfg.num_warps < 8 and cfg.BLOCK_N >= 128 else cfg.num_warps
+    num_warps = 8 if cfg.num_warps < 8 and cfg.BLOCK_N >= 128 and not one_wave else cfg.num_warps
     block_k = cfg.BLOCK_K
     while cfg.BLOCK_M >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:
         block_k //= 2
-    max_stages = 4 if cfg.BLOCK_M == 16 and 2 * cfg.BLOCK_N * block_k <= 16384 else 3
+    four_lora_stages = one_wave and cfg.BLOCK_M == 16 and 2 * cfg.BLOCK_N * block_k <= 16384
     return replace(cfg, BLOCK_K=block_k, num_warps=num_warps,
-                   lora_num_stages=min(cfg.lora_num_stages or cfg.num_stages, max_stages))
+                   lora_num_stages=min(cfg.lora_num_stages or cfg.num_stages, 4 if four_lora_stages else 3))
 
 
 def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",
@@ -262,7 +302,7 @@ def get_config(
         return cfg
     if path == "auto" and cfg.path == "two_stage" and M * topk / E <= LORA_FUSED_MAX_TOKENS_PER_EXPERT:
         cfg = fit_config(cfg, H, I, topk, dtype, "fused", backend)
-    return fit_lora_config(cfg)
+    return fit_lora_config(cfg, fused_grid_fits_one_wave(cfg, M, E, I, topk, num_multiprocessors(device)))
 
 
 def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:

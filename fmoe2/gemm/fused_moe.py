@@ -15,7 +15,8 @@ from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_sa
                            interpreter_enabled, on_device)
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from .config import PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config, get_config
+from .config import (PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config, fused_grid_fits_one_wave,
+                     get_config, num_multiprocessors)
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
@@ -333,8 +334,12 @@ def cuda_arch_of(device) -> Optional[int]:
 def lora_expand_block_n(block_m: int, backend: str, cuda_arch: Optional[int]) -> int:
     """Expand columns per step.
 
-    * sm_90 and newer (and an unknown GPU): 128 (H100 sweep, see above), 64 for 128-row tiles (the
-      sweep had none; 128 columns spilled at 128 rows on sm_80).
+    * sm_90 and newer (and an unknown GPU): 128 (H100 sweep, see above). At 128-row tiles (8 warps,
+      4 stages) 128 columns against 64, the four LoRA launches summed (``python -m
+      fmoe2.bench.lora_settings``, 2026-11-24, Mixtral / DeepSeek M=1024): H100 152.9 / 85.8 us
+      against 168.1 / 87.5, H200 147.8 / 84.8 against 151.6 / 86.2. There the gate/up expand spills
+      2 instructions under Triton 3.6 and none under 3.9. (4 warps, 3 stages, 64 columns: H100
+      158.1 / 84.8 us, H200 151.0 / 81.2: best at DeepSeek, 3.4% behind at H100 Mixtral.)
     * HIP: 64 (128 spilled 65 VGPRs in the 32-row gate/up expand on gfx942).
     * Older CUDA GPUs: 128, 64 from 64-row tiles. There bf16 atomic adds are compare-and-swap loops
       and the down expand spills with wide tiles (sm_80, 8 warps, 2 stages, ``fmoe2.codegen`` over
@@ -347,7 +352,7 @@ def lora_expand_block_n(block_m: int, backend: str, cuda_arch: Optional[int]) ->
         return 64
     if cuda_arch is not None and cuda_arch < 90:
         return 64 if block_m >= 64 else 128
-    return 64 if block_m >= 128 else 128
+    return 128
 
 
 def lora_splits(num_grid_tiles: int, length: int, block: int, programs_per_sm: int, device) -> int:
@@ -525,7 +530,11 @@ def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "a
     """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
     (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config`)."""
     config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path)
-    return fit_lora_config(config) if problem.lora is not None else config
+    if problem.lora is None:
+        return config
+    one_wave = fused_grid_fits_one_wave(config, problem.x.shape[0], problem.num_experts, problem.intermediate_size,
+                                        problem.topk, num_multiprocessors(problem.x.device))
+    return fit_lora_config(config, one_wave)
 
 
 def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids, activation: str, out: torch.Tensor,

@@ -130,3 +130,4 @@ def test_update_refuses_results_it_cannot_merge(flag, capsys):
     # The usage line names --update too: check the refusal itself (on a CPU machine the next error
     # would be the missing GPU).
     assert "--update reruns searched plain results only" in capsys.readouterr().err
+

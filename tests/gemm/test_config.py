@@ -1,5 +1,6 @@
 """Config picking: defaults by tokens per expert, tuned files by nearest batch, ROCm-only options."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,18 +100,44 @@ def test_fit_config_switches_path_and_applies_the_precision_cap():
 def test_fit_lora_config_keeps_what_was_measured_to_fit():
     from fmoe2.gemm.config import fit_lora_config
 
-    small = fit_lora_config(FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_stages=4))
-    assert small.num_stages == 4 and small.BLOCK_K == 128 and small.num_warps == 4  # 135 KB on sm_90
-    assert small.lora_num_stages == 4
-    large = fit_lora_config(FusedMoEConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_stages=4))
+    small = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_stages=4)
+    small_decode = fit_lora_config(small, one_wave=True)
+    assert small_decode.num_stages == 4 and small_decode.BLOCK_K == 128 and small_decode.num_warps == 4  # 135 KB
+    assert small_decode.lora_num_stages == 4
+    large = FusedMoEConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_stages=4)
+    large_batch = fit_lora_config(large, one_wave=False)
     # Tiles without adapters keep the plain loops' stages; the LoRA loops get 3 (233-307 KB with 4).
-    assert (large.BLOCK_M, large.num_stages, large.lora_num_stages, large.num_warps, large.BLOCK_K) == (32, 4, 3, 8, 128)
-    tall = fit_lora_config(FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_stages=3))
+    assert (large_batch.BLOCK_M, large_batch.num_stages, large_batch.lora_num_stages, large_batch.num_warps,
+            large_batch.BLOCK_K) == (32, 4, 3, 8, 128)
+    tall = fit_lora_config(FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_stages=3), False)
     assert tall.BLOCK_K == 32 and tall.BLOCK_M == 64  # BLOCK_K=64 needed 270336 B (264 KiB)
-    assert fit_lora_config(large) == large
+    for cfg, one_wave in ((large_batch, False), (small_decode, True), (tall, False)):
+        assert fit_lora_config(cfg, one_wave) == cfg  # idempotent
     # Two-stage configs carry no adapter work in their loops: unchanged.
     two = FusedMoEConfig(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_H=64, num_warps=4, path="two_stage")
-    assert fit_lora_config(two) == two
+    assert fit_lora_config(two, False) == two
+
+
+def test_fit_lora_config_keeps_the_plain_kernels_warps_and_occupancy_beyond_one_wave():
+    # Warps and shared memory are the whole kernel's. Within one wave (a program per multiprocessor at
+    # most) the pick's 4 warps stay and the LoRA loops may take 4 stages; beyond it 8 warps, and 3
+    # stages, which keep two programs per multiprocessor (4 stages of this tiling: 150 KB).
+    from fmoe2.gemm.config import fit_lora_config, fused_grid_fits_one_wave
+
+    wide = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, BLOCK_H=128, num_warps=4, num_stages=4)
+    one_wave = fit_lora_config(wide, one_wave=True)
+    assert (one_wave.num_warps, one_wave.lora_num_stages) == (4, 4)
+    waves = fit_lora_config(wide, one_wave=False)
+    assert (waves.num_warps, waves.lora_num_stages) == (8, 3)
+    assert fit_lora_config(replace(wide, BLOCK_N=64), False).num_warps == 4  # narrow tiles never spilled
+    # DeepSeek-V2-Lite (E=64, I=1408: 11 slices of 128) on 132 multiprocessors: M=2 routes 12 rows, 12 tiles
+    # at most, 132 programs; M=3 18 tiles, 198 programs. Full tiles count on top of one per expert hit.
+    assert fused_grid_fits_one_wave(wide, 2, 64, 1408, 6, 132)
+    assert not fused_grid_fits_one_wave(wide, 3, 64, 1408, 6, 132)
+    assert fused_grid_fits_one_wave(wide, 1, 64, 1408, 6, 66)
+    tall = replace(wide, BLOCK_M=64)  # E=4, topk=2: 512 rows in (4 + 8) x 11 programs, 576 in (4 + 9) x 11
+    assert fused_grid_fits_one_wave(tall, 256, 4, 1408, 2, 132)
+    assert not fused_grid_fits_one_wave(tall, 288, 4, 1408, 2, 132)
 
 
 def test_lora_stages_reach_only_the_lora_kernel():
@@ -126,7 +153,7 @@ def test_lora_stages_reach_only_the_lora_kernel():
     problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta),
                          False, E, H, I, topk)
     cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_stages=4)
-    fitted = fit_lora_config(cfg)
+    fitted = fit_lora_config(cfg, one_wave=True)
     assert fitted.lora_num_stages == 3
     sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta")
     plain = [fused_kernel_launch(problem, problem.x, sorting, "silu", c, "cuda")[2] for c in (cfg, fitted)]
@@ -150,7 +177,8 @@ def test_lora_pick_runs_fused_at_decode_where_the_plain_pick_is_two_stage(tmp_pa
     for M in (1, 2, edge):
         assert pick(M).path == "two_stage"
         lora = pick(M, lora=True)
-        assert lora == fit_lora_config(pick(M, path="fused"))  # the fused refit, with the adapters' steps
+        # The fused refit, with the adapters' steps; one wave at M=1 only (2 tiles x 56 slices of 256).
+        assert lora == fit_lora_config(pick(M, path="fused"), M == 1)
         assert lora.path == "fused" and 2 * -(-14336 // lora.BLOCK_N) <= 128  # precision cap of the fused path
     assert pick(edge + 1, lora=True) == pick(edge + 1)  # past the crossover: two-stage, unchanged
     assert pick(1, lora=True, path="two_stage").path == "two_stage"  # a forced path stays forced
@@ -159,4 +187,36 @@ def test_lora_pick_runs_fused_at_decode_where_the_plain_pick_is_two_stage(tmp_pa
     (d / shape_file_name(8, 512, 256, 2, torch.bfloat16)).write_text(json.dumps({"1": fused}))
     plain = get_config(1, 8, 512, 256, 2, torch.bfloat16, device=torch.device("cpu"), config_dir=str(tmp_path))
     assert get_config(1, 8, 512, 256, 2, torch.bfloat16, device=torch.device("cpu"), config_dir=str(tmp_path),
-                      lora=True) == fit_lora_config(plain)
+                      lora=True) == fit_lora_config(plain, True)
+
+
+def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
+    # get_config(lora=True) and a caller's config (fit_given_config) both fit by the problem's grid. Without a
+    # GPU num_multiprocessors gives DEFAULT_NUM_SMS (132): DeepSeek-V2-Lite's grid is one wave up to M=2
+    # (12 tiles x 11 slices), not at M=3 (18 x 11).
+    from fmoe2.codegen import _meta_lora
+    from fmoe2.gemm.config import DEFAULT_NUM_SMS, num_multiprocessors
+    from fmoe2.gemm.fused_moe import MoEProblem, fit_given_config
+
+    assert num_multiprocessors(torch.device("cpu")) == DEFAULT_NUM_SMS == 132
+    E, H, I, topk = 64, 2048, 1408, 6
+    fused = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, BLOCK_H=128, num_warps=4, num_stages=4)
+    d = tmp_path / device_config_name(torch.device("cpu"))
+    d.mkdir()
+    (d / shape_file_name(E, H, I, topk, torch.bfloat16)).write_text(json.dumps({"1": fused}))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    for M, expected in ((2, (4, 4)), (3, (8, 3))):
+        pick = get_config(M, E, H, I, topk, torch.bfloat16, device=torch.device("cpu"), config_dir=str(tmp_path),
+                          lora=True)
+        assert (pick.num_warps, pick.lora_num_stages) == expected, M
+        problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta),
+                             False, E, H, I, topk)
+        problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
+        given = fit_given_config(FusedMoEConfig(**fused), problem)
+        assert (given.num_warps, given.lora_num_stages) == expected, M
+
+
+def test_codegen_knows_the_multiprocessors_of_every_target():
+    from fmoe2.codegen import TARGET_MULTIPROCESSORS, TARGETS
+
+    assert set(TARGET_MULTIPROCESSORS) == set(TARGETS)

@@ -302,3 +302,15 @@ def test_auto_path_with_lora_at_decode_runs_fused_where_the_plain_pick_is_two_st
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="two_stage")
     assert names == ["sort", "lora_shrink13", "lora_expand13", "stage1", "lora_shrink2", "lora_expand2",
                      "stage2"]  # a forced path stays forced
+
+
+def test_two_stage_lora_expand_columns_per_architecture():
+    # sm_90: 128 columns at every tile height (at 128-row tiles 128 columns ran the four LoRA launches of
+    # Mixtral M=1024 in 153 instead of 168 us on the H100; fmoe2.bench.lora_settings). sm_80 spilled with
+    # 128 columns from 64-row tiles, gfx942 at 32 rows.
+    from fmoe2.gemm.fused_moe import lora_expand_block_n
+
+    assert [lora_expand_block_n(m, "cuda", 90) for m in (16, 64, 128)] == [128, 128, 128]
+    assert lora_expand_block_n(128, "cuda", None) == 128  # an unknown GPU (the interpreter) takes sm_90's rule
+    assert [lora_expand_block_n(m, "cuda", 80) for m in (32, 64, 128)] == [128, 64, 64]
+    assert [lora_expand_block_n(m, "hip", None) for m in (16, 128)] == [64, 64]
