@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm.config import fit_lora_config, fused_grid_fits_one_wave, get_config
+from .gemm.config import fit_lora_config_to_problem, get_config
 from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_expand_launch,
                              lora_shrink_launch, stage2_kernel_launch)
 from .gemm.fused_moe_kernel import _fused_moe_kernel
@@ -240,8 +240,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
         common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
         suffix = "_lora"
-        one_wave = fused_grid_fits_one_wave(fused_config, M, E, inter, topk, TARGET_MULTIPROCESSORS[target_name])
-        lora_config = fit_lora_config(fused_config, one_wave)
+        lora_config = fit_lora_config_to_problem(fused_config, M, E, inter, topk, TARGET_MULTIPROCESSORS[target_name])
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
                                                                 token_lora_ids=problem.token_lora_ids,

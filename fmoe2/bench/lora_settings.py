@@ -68,7 +68,8 @@ def _point(name, M, gen):
 
 
 def _forward(point, cfg, ids="mixed"):
-    """One forward on ``cfg`` as given (no LoRA fit: the caller patches ``fit_lora_config`` out)."""
+    """One forward on ``cfg`` as given (no LoRA fit: the caller patches ``fit_lora_config_to_problem``
+    out)."""
     args = (point["x"], point["weights"], None, point["tw"], point["ti"])
     if ids is None:
         return lambda: fmoe2.fused_moe(*args, out=point["out"], config=cfg)
@@ -81,18 +82,38 @@ def _rel_err(point, cfg):
     return ((out - point["ref"]).norm() / point["ref"].norm()).item()
 
 
+def lora_configs_as_given():
+    """Context: ``fused_moe`` runs a given LoRA config's warps and stages instead of fitting them."""
+    return mock.patch.object(FUSED_MODULE, "fit_lora_config_to_problem", lambda cfg, *_: cfg)
+
+
+def two_stage_lora_settings(num_warps: int, num_stages: int, expand_block_n: int, shrink_block_k: int):
+    """Context: the two-stage LoRA kernels launch with these settings (see ``lora_kernel_options``)."""
+    return mock.patch.multiple(FUSED_MODULE, LORA_BLOCK_K=shrink_block_k,
+                               lora_kernel_options=lambda *_: {"num_warps": num_warps, "num_stages": num_stages},
+                               lora_expand_block_n=lambda *_: expand_block_n)
+
+
+def table_rows(table_dir: str, name: str) -> list:
+    """This device's ``--lora`` results for one shape (their configs are the ones swept)."""
+    path = os.path.join(table_dir, f"{device_config_name()}__{name}.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"no --lora results for this GPU at {path}: run `python -m fmoe2.bench --lora` first "
+                         "(or pass --table-dir)")
+    with open(path) as f:
+        return json.load(f)["results"]
+
+
 def sweep_fused(table_dir, gen):
     rows = []
     for name in SHAPES:
-        with open(os.path.join(table_dir, f"{device_config_name()}__{name}.json")) as f:
-            table = json.load(f)["results"]
-        for r in table:
+        for r in table_rows(table_dir, name):
             lora_cfg = FusedMoEConfig.from_dict(r["fmoe2_lora_config"])
             if lora_cfg.path != "fused" or r["M"] > 128:
                 continue
             point = _point(name, r["M"], gen)
             fns, errs = {"plain": _forward(point, FusedMoEConfig.from_dict(r["fmoe2_config"]), ids=None)}, {}
-            with mock.patch.object(FUSED_MODULE, "fit_lora_config", lambda c, *_: c):
+            with lora_configs_as_given():
                 for warps in (8, 4):
                     for stages in (2, 3, 4):
                         cfg = dataclasses.replace(lora_cfg, num_warps=warps, lora_num_stages=stages)
@@ -117,17 +138,14 @@ def sweep_two_stage(table_dir, gen):
 
     rows = []
     for name in ("mixtral-8x7b", "deepseek-v2-lite"):
-        with open(os.path.join(table_dir, f"{device_config_name()}__{name}.json")) as f:
-            r = next(r for r in json.load(f)["results"] if r["M"] == 1024)
+        r = next(r for r in table_rows(table_dir, name) if r["M"] == 1024)
         cfg = FusedMoEConfig.from_dict(r["fmoe2_lora_config"])
         if cfg.path != "two_stage":
             print(f"{name} M=1024: the table's LoRA config is not two-stage; skipped")
             continue
         point = _point(name, 1024, gen)
         for warps, stages, block_n, block_k in TWO_STAGE_SETTINGS:
-            with mock.patch.multiple(FUSED_MODULE, LORA_BLOCK_K=block_k,
-                                     lora_kernel_options=lambda *_: {"num_warps": warps, "num_stages": stages},
-                                     lora_expand_block_n=lambda *_: block_n):
+            with two_stage_lora_settings(warps, stages, block_n, block_k):
                 err = _rel_err(point, cfg)
                 launches = stage_times(point["x"], point["weights"], point["tw"], point["ti"], cfg, point["out"],
                                        lora=point["lora"], token_lora_ids=point["ids"])

@@ -187,6 +187,12 @@ def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: 
     return max_busy_tiles(M * topk, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N) <= num_sms
 
 
+def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int,
+                               num_sms: int) -> FusedMoEConfig:
+    """:func:`fit_lora_config` for a problem's grid on ``num_sms`` multiprocessors."""
+    return fit_lora_config(cfg, fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms))
+
+
 def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool) -> FusedMoEConfig:
     """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
@@ -302,7 +308,7 @@ def get_config(
         return cfg
     if path == "auto" and cfg.path == "two_stage" and M * topk / E <= LORA_FUSED_MAX_TOKENS_PER_EXPERT:
         cfg = fit_config(cfg, H, I, topk, dtype, "fused", backend)
-    return fit_lora_config(cfg, fused_grid_fits_one_wave(cfg, M, E, I, topk, num_multiprocessors(device)))
+    return fit_lora_config_to_problem(cfg, M, E, I, topk, num_multiprocessors(device))
 
 
 def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:

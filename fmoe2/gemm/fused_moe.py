@@ -15,8 +15,8 @@ from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_sa
                            interpreter_enabled, on_device)
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from .config import (PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config, fused_grid_fits_one_wave,
-                     get_config, num_multiprocessors)
+from .config import (PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config_to_problem, get_config,
+                     num_multiprocessors)
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
@@ -532,9 +532,8 @@ def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "a
     config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path)
     if problem.lora is None:
         return config
-    one_wave = fused_grid_fits_one_wave(config, problem.x.shape[0], problem.num_experts, problem.intermediate_size,
-                                        problem.topk, num_multiprocessors(problem.x.device))
-    return fit_lora_config(config, one_wave)
+    return fit_lora_config_to_problem(config, problem.x.shape[0], problem.num_experts, problem.intermediate_size,
+                                      problem.topk, num_multiprocessors(problem.x.device))
 
 
 def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids, activation: str, out: torch.Tensor,

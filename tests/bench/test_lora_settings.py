@@ -3,6 +3,8 @@ refusal without a GPU (it runs on the device)."""
 import pytest
 import torch
 
+from fmoe2 import FusedMoEConfig
+
 
 def test_lora_settings_sweep_times_the_shipped_two_stage_settings():
     # The sweep behind lora_kernel_options / lora_expand_block_n must keep measuring what ships (sm_90, 128 rows).
@@ -20,3 +22,39 @@ def test_lora_settings_sweep_refuses_without_gpu():
 
     with pytest.raises(SystemExit, match="needs a CUDA or ROCm GPU"):
         main(["--out-dir", "unused"])
+
+
+def test_lora_settings_sweep_reaches_the_launches():
+    # The sweep patches fmoe2.gemm.fused_moe: the names it patches must be the ones the launches use.
+    from fmoe2.bench.lora_settings import lora_configs_as_given, two_stage_lora_settings
+    from fmoe2.codegen import _meta_lora
+    from fmoe2.gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fit_given_config, lora_expand_launch,
+                                      lora_shrink_launch)
+    from fmoe2.sorting import MoESortingResult
+
+    M, E, H, I, topk = 64, 64, 2048, 1408, 6
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta),
+                         False, E, H, I, topk)
+    problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
+    problem.token_lora_ids = torch.empty(M, dtype=torch.int32, device="meta")
+    fused = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, BLOCK_H=128, num_warps=4, num_stages=4)
+    assert fit_given_config(fused, problem).num_warps == 8  # past one wave the fit takes 8 warps ...
+    with lora_configs_as_given():
+        assert fit_given_config(fused, problem) == fused  # ... the sweep runs the config as given
+    sorting = MoESortingResult.allocate(M * topk, E, 128, M, "meta", count_lora_tokens=True)
+    workspace = TwoStageWorkspace.allocate(problem, sorting)
+    with two_stage_lora_settings(2, 3, 32, 128):
+        _, _, shrink_constexprs, shrink_options = lora_shrink_launch(problem, sorting, workspace, False, "cuda", 90)
+        _, _, expand_constexprs, expand_options = lora_expand_launch(problem, sorting, workspace, problem.x, False,
+                                                                     "cuda", 90)
+    assert shrink_constexprs["BLOCK_K"] == 128 and expand_constexprs["BLOCK_N"] == 32
+    assert shrink_options["num_warps"] == expand_options["num_warps"] == 2
+    assert shrink_options["num_stages"] == expand_options["num_stages"] == 3
+
+
+def test_lora_settings_sweep_names_the_missing_table(tmp_path):
+    from fmoe2.bench.lora_settings import table_rows
+
+    with pytest.raises(SystemExit, match="run `python -m fmoe2.bench --lora` first"):
+        table_rows(str(tmp_path), "mixtral-8x7b")
