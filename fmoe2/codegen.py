@@ -40,7 +40,7 @@ from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
 from .gemm.lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 from .shapes import SHAPES
-from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sorting_kernel_launch
+from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sort_programs, sorting_kernel_launch
 
 TARGETS = {
     "sm_80": GPUTarget("cuda", 80, 32),
@@ -86,7 +86,7 @@ def _signature(fn, args: dict, constexprs: dict, backend: str):
             signature[name] = "i1"
         elif isinstance(v, int):
             signature[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-            if v % 16 == 0:
+            if v % 16 == 0 and not param.do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             raise TypeError(f"cannot type argument {name}={v!r}")
@@ -226,9 +226,13 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
     reports = []
+    # The sort's programs per expert and warps as on a GPU of this target (on meta tensors the
+    # launcher would pick those of a run without a GPU).
+    num_parts, num_warps = sort_programs(E, M * topk, TARGET_MULTIPROCESSORS[target_name])
     sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
-                                                            launch_dependents=pdl)
+                                                            launch_dependents=pdl, num_parts=num_parts,
+                                                            num_warps=num_warps)
     reports.append({"kernel": "moe_sorting", **common,
                     **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
     grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, fused_config, backend)
@@ -244,7 +248,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
                                                                 token_lora_ids=problem.token_lora_ids,
-                                                                num_loras=num_loras, launch_dependents=pdl)
+                                                                num_loras=num_loras, launch_dependents=pdl,
+                                                                num_parts=num_parts, num_warps=num_warps)
         reports.append({"kernel": "moe_sorting_lora", **common,
                         **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
         grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, lora_config, backend)

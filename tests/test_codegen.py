@@ -96,8 +96,12 @@ def test_sm90_pdl_configs_wait_for_the_previous_launch():
         assert wait in r[key]["grid_dependency_control"] and no_spills(r[key]), (key, r[key])
     for key in (("moe_sorting", 1), ("moe_sorting", 4096), ("fused_moe_stage1", 4096)):
         assert early in r[key]["grid_dependency_control"], (key, r[key])
+    # The sort as a GPU of the target runs it (sort_programs): Qwen3's 128 experts at M=4096 get 2
+    # programs each (then 64 that zero the output) with 4 warps on 132 multiprocessors, 8 on 304.
+    assert r[("moe_sorting", 4096)]["grid"] == [2 * 128 + 64] and r[("moe_sorting", 4096)]["num_warps"] == 4
     rocm = codegen("gfx942", "qwen3-30b-a3b", "4096", "--pdl")  # ignored on ROCm: still compiles
     assert ("moe_stage2", 4096) in rocm
+    assert rocm[("moe_sorting", 4096)]["grid"] == [2 * 128 + 64] and rocm[("moe_sorting", 4096)]["num_warps"] == 8
     # With adapters the two-stage path's LoRA launches join the chain: each waits and signals early.
     r = codegen("sm_90", "qwen3-30b-a3b", "4096", "--pdl", "--lora-rank", "16")
     for kernel in ("lora_shrink13", "lora_expand13", "fused_moe_stage1_lora", "lora_shrink2", "lora_expand2"):
@@ -171,3 +175,34 @@ def test_sm80_two_stage_lora_kernels_take_their_own_launch_settings():
         assert (rep["num_warps"], rep["num_stages"]) == (8, 2) and no_spills(rep), rep
     sm90 = codegen("sm_90", "qwen3-30b-a3b", "1024", "--lora-rank", "16")
     assert (sm90[("lora_shrink13", 1024)]["num_warps"], sm90[("lora_shrink13", 1024)]["num_stages"]) == (4, 4)
+
+
+SIGNATURE_CHECK = """
+import torch
+from fmoe2.codegen import _signature
+from fmoe2.sorting import MoESortingResult
+from fmoe2.sorting.moe_sorting import _moe_sorting_kernel, sorting_kernel_launch
+
+M, topk, E = 64, 8, 128
+ids = torch.empty(M, topk, dtype=torch.int32, device="meta")
+weights = torch.empty(M, topk, dtype=torch.float32, device="meta")
+sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta")
+_, args, constexprs, _ = sorting_kernel_launch(ids, weights, E, None, sorting, torch.empty(M, 2048, device="meta"),
+                                               num_parts=1)
+assert args["num_zero_programs"] == 16 and args["num_parts"] == 1 and args["num_entries"] == 512, args
+signature, attrs, constexprs = _signature(_moe_sorting_kernel, args, constexprs, "cuda")
+index = {name: i for i, name in enumerate(_moe_sorting_kernel.arg_names)}
+assert signature["num_zero_programs"] == "i32" and (index["num_zero_programs"],) not in attrs, attrs
+assert signature["num_parts"] == "i32" and "num_parts" not in constexprs, signature
+assert attrs[(index["num_entries"],)] == [["tt.divisibility", 16]], attrs
+print("ok")
+"""
+
+
+def test_signature_specialises_ints_like_the_jit():
+    # Ints divisible by 16 get the divisibility hint and ints equal to 1 become constants, except
+    # for parameters marked do_not_specialize (the sort's zeroing-program count and parts), which
+    # the JIT compiles once for every value: the report must compile what a GPU run compiles.
+    proc = subprocess.run([sys.executable, "-c", SIGNATURE_CHECK], capture_output=True, text=True,
+                          env=codegen_env(), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]

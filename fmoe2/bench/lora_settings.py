@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib
 import json
 import math
 import os
-import shlex
 import sys
 from unittest import mock
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 import fmoe2
@@ -40,6 +37,7 @@ from fmoe2.gemm.config import FusedMoEConfig, device_config_name
 from fmoe2.shapes import SHAPES
 
 from .lora import BF16_TOL, make_adapters, make_token_lora_ids
+from .provenance import run_record
 from .timing import time_in_graph, time_interleaved
 
 # The module (the attribute fmoe2.gemm.fused_moe is the function), whose launch settings are patched below.
@@ -170,11 +168,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("the LoRA settings sweep needs a CUDA or ROCm GPU")
     gen = torch.Generator(device="cuda").manual_seed(a.seed)
-    args = sys.argv[1:] if argv is None else argv
-    command = "python -m fmoe2.bench.lora_settings " + " ".join(shlex.quote(v) for v in args)
-    result = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  torch=torch.__version__, triton=triton.__version__, command=command.strip(), rank=16, num_loras=4,
-                  rounds=ROUNDS)
+    result = dict(**run_record("python -m fmoe2.bench.lora_settings", argv), rank=16, num_loras=4, rounds=ROUNDS)
     result["fused"] = sweep_fused(a.table_dir, gen)
     result["two_stage"] = sweep_two_stage(a.table_dir, gen)
     bad = [r for r in result["fused"] for e in r["rel_err"].values() if not e <= BF16_TOL]

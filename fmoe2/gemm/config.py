@@ -33,6 +33,7 @@ import torch
 import triton
 
 from .._validation import interpreter_enabled
+from ..multiprocessors import DEFAULT_NUM_SMS, num_multiprocessors  # noqa: F401 (re-exported)
 from ..sorting import max_busy_tiles
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -58,8 +59,6 @@ MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused p
 # vs 270.3 us; two-stage ahead from M=16 (4): 1004.5 vs 973.7 us, M=128 (32) 1239.3 vs 1083.5 us. (With the
 # earlier one-kernel deltas, whose programs each walked the whole shrink, two-stage was behind up to M=16.)
 LORA_FUSED_MAX_TOKENS_PER_EXPERT = 1
-# Multiprocessors assumed where no GPU is here to ask (fmoe2.codegen, the CPU interpreter): the H100's and H200's.
-DEFAULT_NUM_SMS = 132
 
 
 @dataclass(frozen=True)
@@ -167,17 +166,6 @@ def _arch_key(device) -> Optional[str]:
         return None
     arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
     return arch.split(":")[0] or None
-
-
-def num_multiprocessors(device=None) -> int:
-    """Multiprocessors (compute units on ROCm) of a CUDA/HIP ``device`` (None: the current one);
-    ``DEFAULT_NUM_SMS`` for a CPU or meta device, without a GPU and under the interpreter."""
-    if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type != "cuda" or interpreter_enabled():
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:

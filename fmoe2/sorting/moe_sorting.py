@@ -30,33 +30,37 @@ floor term grows by at least ``ceil(count / block_m) - 1``, the min term by at l
 expert has entries); the rest are gap tiles. One pass of comparisons gives ``A(e)``, so no
 program builds the full per-expert histogram that a dense layout needs (Triton has no grid-wide
 barrier to share one, and this keeps the sort to a single launch). The program then scans the
-routing again, scatters its own entries with a running prefix sum and pads its range. Where
-the GPU has multiprocessors to spare, an expert gets 2 programs that each scatter half of the
-scan steps (``scatter_parts``). Up to ``MAX_ZERO_PROGRAMS`` extra programs, placed after the
-expert programs, zero the output buffer. With adapters (``fused_moe(..., lora=...)``) one more
-program, the last, counts the tokens that have one (``num_lora_tokens``): the LoRA kernels read
-that count first, so a batch whose tokens all have -1 skips their adapter work.
+routing again, scatters its own entries with a running prefix sum, counting them as it goes,
+and pads its range. Where the scan has 2 steps or more, an expert gets 2 programs that each
+scatter half of the steps (``sort_programs``). Up to ``MAX_ZERO_PROGRAMS`` extra programs,
+placed after the expert programs, zero the output buffer. With adapters (``fused_moe(...,
+lora=...)``) one more program, the last, counts the tokens that have one (``num_lora_tokens``):
+the LoRA kernels read that count first, so a batch whose tokens all have -1 skips their adapter
+work.
 
 Measured (Qwen3-30B-A3B routing, E=128, topk=8, M=4096, zeroing a 16 MB output). Dense layout,
 H200: 256 zeroing programs launched before the expert programs took the sort from 34 us (no
 zeroing) to 59 us; 64 programs launched after them take 37 us, of which 27 us were a histogram
-pass (``tl.histogram``, bound by its shared-memory atomics). This layout, H100, same run: 31-32
-us vs 37 us dense (DeepSeek-V2-Lite M=4096: 22-24 us vs 27 us with one part, 18 us with two).
-What is left is instruction issue: ncu shows 0.37 instructions issued per scheduler cycle with
-2.1 warps resident per scheduler (116 registers allow 2 programs per multiprocessor); removing
-the scatter's layout conversions, loading the weights densely with the ids, or pipelining the
-scans (``num_stages`` 2-4) each changed the time by less than the run-to-run spread.
+pass (``tl.histogram``, bound by its shared-memory atomics). This layout, H100: 33 us with
+pass 1 counting three keys per entry under a mask (294 SASS instructions per 4096-entry step
+at 8 warps), 28 us with one unsigned comparison per entry and unmasked full steps (79
+instructions), 23 us with 2 programs per expert at 4 warps (``sort_programs``). The scatter
+(pass 2, about 650 instructions per step: a block-wide prefix sum and the stores' layout
+conversions through shared memory) is what is left; splitting each step into rows scanned
+within a warp kept Triton's store layout across warps and saved 25% of its instructions at
+twice the counting cost.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..grid_dependency import gdc_launch_dependents
+from ..multiprocessors import num_multiprocessors
 from .._validation import (
     FLOAT_DTYPES,
     ID_DTYPES,
@@ -71,7 +75,6 @@ from .._validation import (
 ZERO_BLOCK = 8192
 MAX_ZERO_PROGRAMS = 64
 MAX_SCAN_BLOCK = 4096
-SORT_NUM_WARPS = 8
 
 
 @dataclass
@@ -118,27 +121,32 @@ def max_num_tokens_padded(num_entries: int, num_experts: int, block_m: int) -> i
 
 
 @triton.jit
-def _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, valid, num_global_experts,
-                         num_loras, NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr, TOPK: tl.constexpr,
-                         LORA_KEYS: tl.constexpr):
-    """Sort key of each routing entry (its local expert), and whether it is kept (in range after mapping).
+def _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, valid, num_global_experts,
+                     num_loras, NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr, TOPK: tl.constexpr,
+                     LORA_KEYS: tl.constexpr):
+    """Sort key (local expert) of each routing entry as uint32; dropped entries get a key >= NUM_EXPERTS.
 
-    With LORA_KEYS the key is ``adapter * (NUM_EXPERTS // num_loras) + expert`` and entries of
-    tokens without an adapter are dropped (the baseline's LoRA alignment).
+    Callers compare keys with an expert ``e < NUM_EXPERTS`` only (``key < e``, ``key == e``), so any
+    key outside ``[0, NUM_EXPERTS)`` (negative ids wrap to large unsigned values) is never counted:
+    no separate keep mask. With LORA_KEYS the key is ``adapter * (NUM_EXPERTS // num_loras) +
+    expert`` and entries of tokens without an adapter are dropped (the baseline's LoRA alignment).
     """
-    ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1)  # int32 or int64: range-check before narrowing
+    if valid is None:  # a full step
+        ids = tl.load(topk_ids_ptr + offs)  # int32 or int64
+    else:
+        ids = tl.load(topk_ids_ptr + offs, mask=valid, other=-1)
+    if ids.dtype == tl.int64:  # range-check before narrowing: 2**32 + e must not become e
+        ids = tl.where((ids >= 0) & (ids < num_global_experts), ids, -1).to(tl.int32)
     if HAS_EXPERT_MAP:
-        in_range = valid & (ids >= 0) & (ids < num_global_experts)
+        in_range = (ids >= 0) & (ids < num_global_experts)
         ids = tl.load(expert_map_ptr + tl.where(in_range, ids, 0), mask=in_range, other=-1)
     if LORA_KEYS:
         num_base = NUM_EXPERTS // num_loras
-        keep = valid & (ids >= 0) & (ids < num_base)
+        keep = (ids >= 0) & (ids < num_base)
         lora = tl.load(token_lora_ids_ptr + offs // TOPK, mask=keep, other=-1)
         keep = keep & (lora >= 0) & (lora < num_loras)
-        ids = lora * num_base + ids
-    else:
-        keep = valid & (ids >= 0) & (ids < NUM_EXPERTS)
-    return tl.where(keep, ids, 0).to(tl.int32), keep
+        ids = tl.where(keep, lora * num_base + ids, -1)
+    return ids.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -152,6 +160,34 @@ def _store_lora_token_count(token_lora_ids_ptr, num_lora_tokens_ptr, num_tokens,
         lora = tl.load(token_lora_ids_ptr + offs, mask=offs < num_tokens, other=-1)
         count += ((lora >= 0) & (lora < num_loras)).to(tl.int32)
     tl.store(num_lora_tokens_ptr, tl.sum(count, axis=0))
+
+
+@triton.jit
+def _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts, num_loras,
+                expert_key, first_step, end_step, num_full_steps, COUNT_MINE: tl.constexpr, SCAN_BLOCK: tl.constexpr,
+                NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr, TOPK: tl.constexpr, LORA_KEYS: tl.constexpr):
+    """Per-lane counts (two int32 ``[SCAN_BLOCK]``), over scan steps ``[first_step, end_step)``, of keys
+    below ``expert_key`` and (with COUNT_MINE, else zeros) equal to it. Full steps load without a mask: the loop is bound by
+    instruction issue, and at 8 warps a 4096-entry step takes 79 SASS instructions per thread
+    unmasked, 106 masked (bounds checks and fill values)."""
+    scan = tl.arange(0, SCAN_BLOCK)
+    below = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
+    mine = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
+    for step in range(first_step, tl.minimum(end_step, num_full_steps)):
+        offs = step * SCAN_BLOCK + scan
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, None, num_global_experts,
+                               num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+        below += (key < expert_key).to(tl.int32)
+        if COUNT_MINE:
+            mine += (key == expert_key).to(tl.int32)
+    for step in range(tl.maximum(first_step, num_full_steps), end_step):
+        offs = step * SCAN_BLOCK + scan
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
+                               num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+        below += (key < expert_key).to(tl.int32)
+        if COUNT_MINE:
+            mine += (key == expert_key).to(tl.int32)
+    return below, mine
 
 
 @triton.jit(do_not_specialize=["num_zero_programs", "num_parts"])
@@ -213,71 +249,51 @@ def _moe_sorting_kernel(
                 tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
             return
     scan = tl.arange(0, SCAN_BLOCK)
-
-    # Pass 1: entries of experts < e (A) and of e itself (all, and in steps before this part's).
-    below = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
-    mine = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
-    mine_before_part = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
+    expert_key = expert.to(tl.uint32)
     num_steps = tl.cdiv(num_entries, SCAN_BLOCK)
+    num_full_steps = num_entries // SCAN_BLOCK  # steps past it (at most one) load under a mask
     steps_per_part = tl.cdiv(num_steps, num_parts)
-    part_first_step = part * steps_per_part
+    # With more parts than steps the spare parts start at the end: they count, scatter nothing and
+    # (the last of them) pad; the clamp keeps their counting loops from walking past the entries.
+    part_first_step = tl.minimum(part * steps_per_part, num_steps)
     part_end_step = tl.minimum(part_first_step + steps_per_part, num_steps)
-    for step in range(0, num_steps):
-        offs = step * SCAN_BLOCK + scan
-        ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
-                                         num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
-        below += (keep & (ids < expert)).to(tl.int32)
-        hit = keep & (ids == expert)
-        mine += hit.to(tl.int32)
-        mine_before_part += (hit & (step < part_first_step)).to(tl.int32)
-    num_below = tl.sum(below, axis=0)
-    my_count = tl.sum(mine, axis=0)
-    my_count_before_part = tl.sum(mine_before_part, axis=0)
-    # Expert e owns tiles [first_tile, next_first_tile): its own my_tiles, then gap tiles (-1).
-    first_tile = num_below // BLOCK_M + tl.minimum(expert, num_below)
-    my_tiles = tl.cdiv(my_count, BLOCK_M)
-    next_first_tile = (num_below + my_count) // BLOCK_M + tl.minimum(expert + 1, num_below + my_count)
 
-    # The last expert's range ends where all ranges end: its first program writes the counters and
-    # fills the unused tail of the worst-case buffers.
-    if (expert == NUM_EXPERTS - 1) & (part == 0):
-        total_tiles = next_first_tile
-        total_padded = total_tiles * BLOCK_M
-        tl.store(num_tokens_post_padded_ptr, total_padded)
-        tl.store(num_sorted_tiles_ptr, total_tiles)
-        fill = tl.arange(0, FILL_BLOCK)
-        for start in range(total_padded, max_num_padded, FILL_BLOCK):
-            offs = start + fill
-            tail = offs < max_num_padded
-            tl.store(sorted_token_ids_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
-            tl.store(sorted_weights_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.float32), mask=tail)
-        max_tiles = max_num_padded // BLOCK_M
-        for t in range(total_tiles, max_tiles, FILL_BLOCK):
-            tiles = t + fill
-            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([FILL_BLOCK], dtype=tl.int32) - 1,
-                     mask=tiles < max_tiles)
+    # Pass 1: entries of experts < e (A), and of e itself in the steps before this part's. The
+    # expert's own count comes from pass 2, which needs its hits anyway.
+    below, mine = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
+                              num_loras, expert_key, 0, part_first_step, num_full_steps, True, SCAN_BLOCK,
+                              NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+    my_count_before_part = tl.sum(mine, axis=0)
+    below_rest, _ = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
+                                num_loras, expert_key, part_first_step, num_steps, num_full_steps, False, SCAN_BLOCK,
+                                NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+    num_below = tl.sum(below + below_rest, axis=0)
+    # Expert e owns tiles [first_tile, next_first_tile): its own ceil(count / BLOCK_M), then gap tiles (-1).
+    first_tile = num_below // BLOCK_M + tl.minimum(expert, num_below)
 
     # Pass 2: scatter this part's share of the expert's entries in (token, slot) order.
-    if my_count > 0:
-        rank_base = first_tile * BLOCK_M + my_count_before_part
-        for step in range(part_first_step, part_end_step):
-            offs = step * SCAN_BLOCK + scan
-            ids, keep = _routed_local_expert(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs,
-                                             offs < num_entries, num_global_experts, num_loras, NUM_EXPERTS,
-                                             HAS_EXPERT_MAP, TOPK, LORA_KEYS)
-            hit = keep & (ids == expert)
-            hit_i32 = hit.to(tl.int32)
-            dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
-            weight = tl.load(topk_weights_ptr + offs, mask=hit, other=0.0).to(tl.float32)
-            entry_id = offs if EXPANDED_IDS else offs // TOPK
-            tl.store(sorted_token_ids_ptr + dest, entry_id.to(tl.int32), mask=hit)
-            tl.store(sorted_weights_ptr + dest, weight, mask=hit)
-            rank_base += tl.sum(hit_i32, axis=0)
+    rank_base = first_tile * BLOCK_M + my_count_before_part
+    for step in range(part_first_step, part_end_step):
+        offs = step * SCAN_BLOCK + scan
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
+                               num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+        hit = key == expert_key
+        hit_i32 = hit.to(tl.int32)
+        dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
+        weight = tl.load(topk_weights_ptr + offs, mask=hit, other=0.0).to(tl.float32)
+        entry_id = offs if EXPANDED_IDS else offs // TOPK
+        tl.store(sorted_token_ids_ptr + dest, entry_id.to(tl.int32), mask=hit)
+        tl.store(sorted_weights_ptr + dest, weight, mask=hit)
+        rank_base += tl.sum(hit_i32, axis=0)
 
-    # Pad the expert's last tile and its gap tiles, then label both kinds of tile.
+    # The last part has seen all of the expert's entries: it pads the expert's last tile and its gap
+    # tiles and labels both kinds of tile.
     if part == num_parts - 1:
+        my_count = rank_base - first_tile * BLOCK_M
+        my_tiles = tl.cdiv(my_count, BLOCK_M)
+        next_first_tile = (num_below + my_count) // BLOCK_M + tl.minimum(expert + 1, num_below + my_count)
         pad_row = tl.arange(0, 2 * BLOCK_M)
-        for start in range(first_tile * BLOCK_M + my_count, next_first_tile * BLOCK_M, 2 * BLOCK_M):
+        for start in range(rank_base, next_first_tile * BLOCK_M, 2 * BLOCK_M):
             pad_pos = start + pad_row
             pad_mask = pad_pos < next_first_tile * BLOCK_M
             tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([2 * BLOCK_M], dtype=tl.int32) + pad_id, mask=pad_mask)
@@ -286,6 +302,25 @@ def _moe_sorting_kernel(
             tiles = t + pad_row
             label = tl.where(tiles < first_tile + my_tiles, expert, -1)
             tl.store(sorted_expert_ids_ptr + tiles, label, mask=tiles < next_first_tile)
+
+        # The last expert's range ends where all ranges end: it writes the counters and fills the
+        # unused tail of the worst-case buffers.
+        if expert == NUM_EXPERTS - 1:
+            total_tiles = next_first_tile
+            total_padded = total_tiles * BLOCK_M
+            tl.store(num_tokens_post_padded_ptr, total_padded)
+            tl.store(num_sorted_tiles_ptr, total_tiles)
+            fill = tl.arange(0, FILL_BLOCK)
+            for start in range(total_padded, max_num_padded, FILL_BLOCK):
+                offs = start + fill
+                tail = offs < max_num_padded
+                tl.store(sorted_token_ids_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
+                tl.store(sorted_weights_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.float32), mask=tail)
+            max_tiles = max_num_padded // BLOCK_M
+            for t in range(total_tiles, max_tiles, FILL_BLOCK):
+                tiles = t + fill
+                tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([FILL_BLOCK], dtype=tl.int32) - 1,
+                         mask=tiles < max_tiles)
 
 
 def _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map):
@@ -338,25 +373,56 @@ def moe_sorting(
     return result
 
 
-def scatter_parts(num_keys: int, num_scan_steps: int, device) -> int:
-    """Programs per expert (sort key): 2 when twice the keys fit on the GPU's multiprocessors and
-    the scan has at least 2 steps, else 1.
+def sort_programs(num_keys: int, num_entries: int, num_compute_units: int) -> Tuple[int, int]:
+    """``(num_parts, num_warps)`` of the sorting kernel: programs per expert (sort key) and warps
+    per program.
 
-    Each part still runs pass 1 over all entries but scatters only its share of the steps, so a
-    second part helps only where it runs on an otherwise idle multiprocessor. H100, sort time with
-    2 parts vs 1: DeepSeek-V2-Lite (E=64) M=1024 7.0-7.2 vs 9.3 us, M=4096 17.9-18.5 vs 22.4-24.5 us;
-    Qwen3-30B-A3B (E=128, 256 programs on 132 multiprocessors) M=4096 33-34 vs 31-32 us; 4 parts
-    were slower than 2 at every point measured.
+    2 parts when the scan has at least 2 steps: each part still counts all entries (pass 1) but
+    scatters only half of them (pass 2, the costlier). 8 warps when the expert programs fit
+    one per multiprocessor and a step holds ``MAX_SCAN_BLOCK`` entries; else 4, which lets more
+    programs share a multiprocessor. Sort with zeroing in us, ``python -m fmoe2.bench.sort_settings``
+    (``misc/bench/sort``, 2026-11-24, median of 5 interleaved rounds; E experts, top-k k; parts p,
+    warps w; the shipped choice starred):
+
+    ==============  ==========  ==========  ==========  ==========
+    E, k, M         p1 w4       p2 w4       p1 w8       p2 w8
+    ==============  ==========  ==========  ==========  ==========
+    H100
+    32, 4, 4096     14.4        9.3         13.1        8.3*
+    64, 6, 1024     8.9         6.9         8.0         6.4*
+    64, 6, 4096     20.4        16.9        18.3        16.1*
+    128, 8, 1024    9.1         7.8*        8.6         7.8
+    128, 8, 4096    29.6        23.3*       28.0        27.1
+    128, 8, 8192    57.7        43.3*       54.3        54.5
+    160, 6, 4096    31.2        28.3*       29.3        29.5
+    256, 8, 4096    56.6        53.6*       56.7        52.7
+    H200
+    64, 6, 4096     20.6        15.5        18.2        14.5*
+    128, 8, 4096    28.3        22.2*       26.4        27.2
+    160, 6, 4096    30.1        28.3*       28.5        25.8
+    ==============  ==========  ==========  ==========  ==========
+
+    3, 4 and 6 parts were at most 0.1 us faster than 1 or 2 parts, except at E=64, M=4096 (H100
+    13.9 us, H200 13.6 us with 4 parts at 8 warps; the rule keeps 2). Mixtral (E=8) is bound by
+    zeroing its 32 MB output at M=4096 (10.4-12.0 us in every setting of 1-2 parts).
+
+    ``num_compute_units``: the GPU's multiprocessors (compute units on ROCm; ``num_multiprocessors``).
     """
-    if num_scan_steps < 2 or torch.device(device).type != "cuda":
-        return 1
-    num_compute_units = torch.cuda.get_device_properties(device).multi_processor_count
-    return 2 if 2 * num_keys <= num_compute_units else 1
+    scan_block = scan_block_size(num_entries)
+    num_parts = 2 if triton.cdiv(num_entries, scan_block) >= 2 else 1
+    wide = scan_block == MAX_SCAN_BLOCK and num_keys * num_parts <= num_compute_units
+    return num_parts, 8 if wide else 4
+
+
+def scan_block_size(num_entries: int) -> int:
+    """Routing entries per scan step (``SCAN_BLOCK``): all of them up to ``MAX_SCAN_BLOCK``."""
+    return min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK)
 
 
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                           expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
-                          lora_keys: bool = False, num_parts: Optional[int] = None, launch_dependents: bool = False):
+                          lora_keys: bool = False, num_parts: Optional[int] = None, launch_dependents: bool = False,
+                          num_warps: Optional[int] = None):
     """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
 
     ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
@@ -367,6 +433,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     num_experts`` keys; ``result`` must be allocated for that many) and tokens without an adapter
     are dropped: the baseline's LoRA alignment. ``launch_dependents``: the next launch is a
     programmatic dependent (``FusedMoEConfig.pdl``); the sort lets it be scheduled at once.
+    ``num_parts``/``num_warps`` override :func:`sort_programs` (tests, ``fmoe2.bench.sort_settings``).
     """
     count_lora_tokens = result.num_lora_tokens is not None
     if (lora_keys or count_lora_tokens) != (token_lora_ids is not None):
@@ -378,9 +445,10 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     out_numel = out.numel() if out is not None else 0
     num_zero_programs = min(triton.cdiv(out_numel, ZERO_BLOCK), MAX_ZERO_PROGRAMS)
     num_keys = num_experts * num_loras if lora_keys else num_experts
-    scan_block = min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK)
-    if num_parts is None:
-        num_parts = scatter_parts(num_keys, triton.cdiv(num_entries, scan_block), topk_ids.device)
+    scan_block = scan_block_size(num_entries)
+    auto_parts, auto_warps = sort_programs(num_keys, num_entries, num_multiprocessors(topk_ids.device))
+    num_parts = auto_parts if num_parts is None else num_parts
+    num_warps = auto_warps if num_warps is None else num_warps
     grid = (num_keys * num_parts + num_zero_programs + int(count_lora_tokens),)
     args = dict(
         topk_ids_ptr=topk_ids,
@@ -418,18 +486,19 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         ZERO_BLOCK=ZERO_BLOCK,
         LAUNCH_DEPENDENTS=launch_dependents,
     )
-    return grid, args, constexprs, {"num_warps": SORT_NUM_WARPS}
+    return grid, args, constexprs, {"num_warps": num_warps}
 
 
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                        expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0, lora_keys: bool = False,
-                       num_parts: Optional[int] = None, launch_dependents: bool = False) -> None:
+                       num_parts: Optional[int] = None, launch_dependents: bool = False,
+                       num_warps: Optional[int] = None) -> None:
     """Launches the sorting kernel into the preallocated ``result`` buffers.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
                                                             out, expanded_ids, token_lora_ids, num_loras, lora_keys,
-                                                            num_parts, launch_dependents)
+                                                            num_parts, launch_dependents, num_warps)
     with on_device(topk_ids):
         _moe_sorting_kernel[grid](**args, **constexprs, **options)

@@ -6,7 +6,7 @@ import torch
 
 from fmoe2 import moe_sorting, moe_sorting_reference
 from fmoe2.sorting import MoESortingResult, launch_moe_sorting, max_num_tokens_padded
-from fmoe2.sorting.moe_sorting import scatter_parts
+from fmoe2.sorting.moe_sorting import MAX_SCAN_BLOCK, sort_programs
 from helpers import DEVICE
 
 
@@ -97,11 +97,13 @@ def test_worst_case_routing_fills_the_buffers():
     assert res.sorted_expert_ids.tolist() == [0, -1, 1, -1, 2, -1, 3, -1]
 
 
-@pytest.mark.parametrize("num_parts", [2, 3])
-def test_experts_split_over_several_programs(num_parts, monkeypatch):
-    # 16-entry scan blocks give 9 steps, shared unevenly by the parts; the result is bit-identical.
+@pytest.mark.parametrize("num_parts,M", [(2, 47), (3, 47), (4, 27), (6, 10)])
+def test_experts_split_over_several_programs(num_parts, M, monkeypatch):
+    # 16-entry scan blocks give 9 steps (M=47), 6 (M=27) or 2 (M=10), shared unevenly by the parts:
+    # with 4 parts over 6 steps the last has none, with 6 over 2 steps four have none (and count
+    # the masked tail step in full). The result is bit-identical.
     monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_SCAN_BLOCK", 16)
-    M, topk, E, block_m = 47, 3, 6, 16
+    topk, E, block_m = 3, 6, 16
     gen = torch.Generator().manual_seed(num_parts)
     ids = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]).int().to(DEVICE)
     w = torch.rand(M, topk, generator=gen).to(DEVICE)
@@ -134,15 +136,42 @@ def test_adapter_keyed_sort_split_over_several_programs(num_parts, monkeypatch):
     for name in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded",
                  "num_sorted_tiles"):
         assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
-    # Every kept entry (token with an adapter) sits in a tile of its (adapter, expert) key.
-    res = results[0]
+    check_adapter_keys(results[0], ids, lora_ids, E, num_loras)
+
+
+def check_adapter_keys(res, ids, lora_ids, E, num_loras):
+    """Every kept entry (expert in [0, E), adapter in [0, num_loras)) sits, once and in entry order,
+    in a tile of its key adapter * E + expert; nothing else is kept."""
+    M, topk = ids.shape
+    block_m = res.block_m
     total = int(res.num_tokens_post_padded.item())
     rows = res.sorted_token_ids[:total].long().cpu()
     keys = res.sorted_expert_ids.repeat_interleave(block_m)[:total].long().cpu()
     real = rows < M * topk
     token, slot = rows[real] // topk, rows[real] % topk
-    assert torch.equal(keys[real], lora_ids.cpu().long()[token] * E + ids.cpu().long()[token, slot])
-    assert real.sum().item() == topk * (lora_ids >= 0).sum().item()
+    ids, lora_ids = ids.cpu().long(), lora_ids.cpu().long()
+    assert torch.equal(keys[real], lora_ids[token] * E + ids[token, slot])
+    kept = ((ids >= 0) & (ids < E) & ((lora_ids >= 0) & (lora_ids < num_loras))[:, None]).flatten()
+    assert sorted(rows[real].tolist()) == torch.nonzero(kept).flatten().tolist()
+
+
+def test_adapter_keyed_sort_drops_bad_experts_and_adapters(monkeypatch):
+    # Experts outside [0, E) must not alias another adapter's key, nor adapter ids outside
+    # [0, num_loras) (one whose adapter * E overflows int32 into a valid key included).
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_SCAN_BLOCK", 16)
+    M, topk, E, block_m, num_loras = 30, 2, 5, 16, 3
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, E, (M, topk), generator=gen, dtype=torch.int32)
+    ids[torch.randperm(M, generator=gen)[:6], 1] = torch.tensor([-1, E, E + 3, -E, 2 * E, 2**31 - 1],
+                                                                  dtype=torch.int32)
+    lora_ids = torch.randint(0, num_loras, (M,), generator=gen, dtype=torch.int32)
+    lora_ids[torch.randperm(M, generator=gen)[:6]] = torch.tensor([num_loras, -3, 5, -1, -7, 858993460],
+                                                                    dtype=torch.int32)
+    ids, lora_ids = ids.to(DEVICE), lora_ids.to(DEVICE)
+    res = MoESortingResult.allocate(M * topk, E * num_loras, block_m, M, ids.device)
+    launch_moe_sorting(ids, torch.rand(M, topk, generator=gen).to(DEVICE), E, None, res, None, expanded_ids=True,
+                       token_lora_ids=lora_ids, num_loras=num_loras, lora_keys=True)
+    check_adapter_keys(res, ids, lora_ids, E, num_loras)
 
 
 @pytest.mark.parametrize("num_parts,with_out", [(1, False), (2, True)])
@@ -174,13 +203,14 @@ def test_counts_tokens_with_an_adapter(num_parts, with_out, monkeypatch):
         launch_moe_sorting(ids, w, E, None, expected, None, token_lora_ids=lora_ids.to(DEVICE), num_loras=num_loras)
 
 
-def test_scatter_parts_rule():
-    assert scatter_parts(64, 8, "cpu") == 1 and scatter_parts(64, 8, "meta") == 1
-    if torch.cuda.is_available():
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert scatter_parts(sms // 2, 2, "cuda:0") == 2
-        assert scatter_parts(sms // 2, 1, "cuda:0") == 1  # one scan step: nothing to share
-        assert scatter_parts(sms // 2 + 1, 2, "cuda:0") == 1
+def test_sort_programs_rule():
+    full = 2 * MAX_SCAN_BLOCK  # two full scan steps
+    assert sort_programs(66, full, 132) == (2, 8)
+    assert sort_programs(67, full, 132) == (2, 4)  # 2 programs per expert overflow the multiprocessors
+    assert sort_programs(128, full, 304) == (2, 8)  # MI300X: 304 compute units
+    assert sort_programs(66, MAX_SCAN_BLOCK, 132) == (1, 8)  # one scan step: nothing to share
+    assert sort_programs(132, MAX_SCAN_BLOCK, 132) == (1, 8)
+    assert sort_programs(8, MAX_SCAN_BLOCK // 2, 132) == (1, 4)  # a short scan: 4 warps
 
 
 def test_reused_buffers_hold_no_stale_data():
@@ -232,6 +262,28 @@ def test_negative_ids_are_dropped():
     ids = torch.tensor([[0, -1], [-1, 1]], dtype=torch.int32, device=DEVICE)
     res = check_sorting(ids, torch.rand(2, 2, device=DEVICE), 2, 16)
     assert res.num_tokens_post_padded.item() == 32
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_ids_outside_the_experts_are_dropped(id_dtype, with_map, monkeypatch):
+    # The kernel compares ids as unsigned keys with no separate range mask: ids past E, negative
+    # ones, the int32 extremes and (int64) values that narrow to a valid id must all be dropped,
+    # in full (unmasked) scan steps and in the masked tail step alike (16-entry steps: 48 entries
+    # are 3 full steps, 50 add a partial one).
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_SCAN_BLOCK", 16)
+    E = 5
+    bad = [-1, -7, E, E + 9, 2**31 - 1, -2**31] + ([2**32 + 1, -2**32 + 2, 2**40] if id_dtype == torch.int64 else [])
+    gen = torch.Generator().manual_seed(len(bad) + with_map)
+    expert_map = None
+    if with_map:  # 8 global experts; global 6 and 7 live elsewhere, global 2 maps out of range
+        expert_map = torch.tensor([0, 1, 100, 2, 3, 4, -1, -1], dtype=torch.int32, device=DEVICE)
+    num_ids = 8 if with_map else E
+    for num_entries in (48, 50):
+        ids = torch.randint(0, num_ids, (num_entries,), generator=gen, dtype=torch.int64)
+        ids[torch.randperm(num_entries, generator=gen)[:len(bad)]] = torch.tensor(bad)
+        ids = ids.reshape(-1, 2).to(DEVICE, id_dtype)
+        check_sorting(ids, torch.rand(ids.shape, generator=gen).to(DEVICE), E, 4, expert_map=expert_map)
 
 
 def test_out_overlapping_routing_is_refused():
