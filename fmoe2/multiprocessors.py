@@ -5,6 +5,8 @@ Used by the launch rules that depend on how many programs run at once (``sort_pr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._validation import interpreter_enabled
@@ -21,4 +23,10 @@ def num_multiprocessors(device=None) -> int:
     device = torch.device(device)
     if device.type != "cuda" or interpreter_enabled():
         return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessors(index: int) -> int:
+    # Asked on every launch (the sort's programs, the LoRA fit); a device's count never changes.
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -217,3 +217,14 @@ def test_lora_cuda_graph_follows_new_adapter_ids(path, pdl):
         torch.cuda.synchronize()
         ref = reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
         assert rel_error(out, ref) <= REL_TOL[torch.bfloat16]
+
+
+def test_num_multiprocessors_reads_each_device():
+    # The count is cached per device index (it is asked on every launch); the default device, an
+    # explicit index and a device without one must all give the GPU's own count.
+    from fmoe2.multiprocessors import num_multiprocessors
+
+    for index in range(torch.cuda.device_count()):
+        assert num_multiprocessors(f"cuda:{index}") == torch.cuda.get_device_properties(index).multi_processor_count
+    current = torch.cuda.current_device()
+    assert num_multiprocessors("cuda") == num_multiprocessors(None) == num_multiprocessors(f"cuda:{current}")

@@ -28,7 +28,8 @@ import os
 import torch
 
 import fmoe2
-from fmoe2.gemm.config import device_config_name, fit_lora_config_to_problem, num_multiprocessors
+from fmoe2.gemm.config import device_config_name, fit_lora_config_to_problem
+from fmoe2.multiprocessors import num_multiprocessors
 
 from .search import baseline_candidates, fmoe2_candidates, search
 from .timing import time_in_graph, time_interleaved

@@ -33,7 +33,7 @@ import torch
 import triton
 
 from .._validation import interpreter_enabled
-from ..multiprocessors import DEFAULT_NUM_SMS, num_multiprocessors  # noqa: F401 (re-exported)
+from ..multiprocessors import num_multiprocessors
 from ..sorting import max_busy_tiles
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")

@@ -15,8 +15,8 @@ from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_sa
                            interpreter_enabled, on_device)
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from .config import (PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config_to_problem, get_config,
-                     num_multiprocessors)
+from ..multiprocessors import num_multiprocessors
+from .config import PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config_to_problem, get_config
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights

@@ -414,9 +414,11 @@ def sort_programs(num_keys: int, num_entries: int, num_compute_units: int) -> Tu
     return num_parts, 8 if wide else 4
 
 
-def scan_block_size(num_entries: int) -> int:
-    """Routing entries per scan step (``SCAN_BLOCK``): all of them up to ``MAX_SCAN_BLOCK``."""
-    return min(max(triton.next_power_of_2(num_entries), 16), MAX_SCAN_BLOCK)
+def scan_block_size(num_elements: int) -> int:
+    """Elements per step of a loop over ``num_elements`` (``SCAN_BLOCK`` for the routing entries,
+    ``FILL_BLOCK`` for the buffers' tail): all of them, as a power of two from 16 up to
+    ``MAX_SCAN_BLOCK``."""
+    return min(max(triton.next_power_of_2(num_elements), 16), MAX_SCAN_BLOCK)
 
 
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
@@ -477,7 +479,7 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         NUM_EXPERTS=num_keys,
         BLOCK_M=result.block_m,
         SCAN_BLOCK=scan_block,
-        FILL_BLOCK=min(max(triton.next_power_of_2(result.sorted_token_ids.numel()), 16), MAX_SCAN_BLOCK),
+        FILL_BLOCK=scan_block_size(result.sorted_token_ids.numel()),
         HAS_EXPERT_MAP=expert_map is not None,
         EXPANDED_IDS=expanded_ids,
         LORA_KEYS=lora_keys,

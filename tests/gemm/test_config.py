@@ -195,7 +195,7 @@ def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
     # GPU num_multiprocessors gives DEFAULT_NUM_SMS (132): DeepSeek-V2-Lite's grid is one wave up to M=2
     # (12 tiles x 11 slices), not at M=3 (18 x 11).
     from fmoe2.codegen import _meta_lora
-    from fmoe2.gemm.config import DEFAULT_NUM_SMS, num_multiprocessors
+    from fmoe2.multiprocessors import DEFAULT_NUM_SMS, num_multiprocessors
     from fmoe2.gemm.fused_moe import MoEProblem, fit_given_config
 
     assert num_multiprocessors(torch.device("cpu")) == DEFAULT_NUM_SMS == 132
