@@ -206,3 +206,43 @@ def test_signature_specialises_ints_like_the_jit():
     proc = subprocess.run([sys.executable, "-c", SIGNATURE_CHECK], capture_output=True, text=True,
                           env=codegen_env(), timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
+
+
+STAGE2_SPLIT_CHECK = """
+import json, torch
+from fmoe2 import FusedMoEConfig
+from fmoe2.codegen import TARGETS, _compile
+from fmoe2.gemm.fused_moe import MoEProblem, TwoStageWorkspace, stage2_kernel_launch
+from fmoe2.gemm.grouped_gemm_kernel import _grouped_gemm_kernel
+from fmoe2.sorting import MoESortingResult
+
+M, E, H, I, topk = 16, 8, 4096, 14336, 2  # Mixtral decode, where the H100 search picked K shares
+meta = dict(device="meta", dtype=torch.bfloat16)
+x = torch.empty(M, H, **meta)
+problem = MoEProblem(x, torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta), True, E, H, I, topk)
+sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta")
+workspace = TwoStageWorkspace.allocate(problem, sorting)
+for target, s2 in (("sm_90", (256, 128, 8, 3)), ("gfx942", (128, 64, 4, 2))):
+    bn, bk, warps, stages = s2
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, BLOCK_H=128, path="two_stage", S2_BLOCK_N=bn,
+                         S2_BLOCK_K=bk, S2_GROUP_M=1, s2_num_warps=warps, s2_num_stages=stages, S2_SPLIT_K=2)
+    backend = TARGETS[target].backend
+    grid, args, constexprs, options = stage2_kernel_launch(problem, x, sorting, workspace, cfg, backend)
+    assert constexprs["SPLIT_K"] == 2 and grid[0] == 2 * sorting.sorted_expert_ids.numel() * (H // bn), grid
+    print(json.dumps({"target": target, **_compile(_grouped_gemm_kernel, grid, args, constexprs, options,
+                                                   TARGETS[target])}))
+"""
+
+
+def test_stage2_k_shares_compile_without_spills():
+    # The tuned H100/H200 files pick 2 K shares for stage 2 at decode sizes (compiled here for sm_90,
+    # and for gfx942 with its 64 KiB of LDS, though the ROCm defaults do not use them).
+    proc = subprocess.run([sys.executable, "-c", STAGE2_SPLIT_CHECK], capture_output=True, text=True,
+                          env=codegen_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["target"] for r in reports] == ["sm_90", "gfx942"]
+    for rep in reports:
+        assert no_spills(rep), rep
+        assert rep["atomic_instructions"], rep
+    assert reports[1]["lds_bytes"] <= 64 * 1024

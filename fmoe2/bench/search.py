@@ -50,11 +50,27 @@ def _grid(M: int, E: int, topk: int):
     return itertools.product(bms, (64, 128, 256), (64,), (4, 8), (3,), (8, 32))
 
 
+# Two-stage configs tried at decode sizes: stage 1 (BLOCK_N, num_stages) x stage 2 (S2_BLOCK_N,
+# s2_num_warps, s2_num_stages, S2_SPLIT_K), 4 warps for stage 1, K tiles of 128 (64 on HIP). From
+# H100 sweeps of each stage alone (2026-11-24, Mixtral, us; scratch runs, not committed): stage 1 at
+# M=1 best 160.8 (32 columns, 3 stages) against 163.4 for the earlier fixed (64, 4), at M=16 541.4
+# (64, 5) and 541.9 (128, 3) against 546.4; stage 2 at M=1 80.5-80.7 with 2 or 4 K shares against
+# 83.4 without, at M=16 275.0 (256 columns, 8 warps, 3 stages, 2 shares) against 279.2. Whole
+# forwards, same run: M=1 248.6 -> 244.1 us, M=16 829.1 -> 817.6 us (baseline 251.7 and 824.2).
+DECODE_TWO_STAGE = {
+    "cuda": (((32, 3), (64, 4), (64, 5), (128, 3)),
+             ((64, 4, 4, 1), (128, 4, 4, 1), (128, 4, 4, 2), (256, 8, 3, 2))),
+    "hip": (((32, 2), (64, 2)), ((64, 4, 2, 1), (128, 4, 2, 1), (128, 4, 2, 2))),
+}
+
+
 def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
     """fmoe2 configs to try, after the picker's own clamps (duplicates removed): the fused path
-    always, the two-stage path once experts get more than 16 tokens each, and at decode sizes a few
-    two-stage configs with narrow slices (the fused path's slices stay wide because of the atomic-add
-    cap, which can leave multiprocessors idle: Qwen3 M=1 runs 96 fused programs on 132)."""
+    always, the two-stage path once experts get more than 16 tokens each, and at decode sizes the
+    ``DECODE_TWO_STAGE`` configs, with narrow slices and stage-2 K shares (the fused path's slices stay
+    wide because of the atomic-add cap; that cap is not what holds the fused path back at decode: on
+    the H100, 2026-11-24, Qwen3 M=1 took 32.8 us with 32-column slices past the cap, 192 programs,
+    against 32.4 with the 64 the cap allows, 96 programs on 132 multiprocessors)."""
     hip = current_backend() == "hip"
     hip_opts = {"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}
     seen, out = set(), []
@@ -69,11 +85,13 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
         add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=64 if bn >= 256 else 128, GROUP_M=group,
                            num_warps=warps, num_stages=2 if hip else stages, **hip_opts))
     if _regime(M, E, topk) == "decode":
-        for bn, s2_bn in itertools.product((32, 64), (64, 128)):
-            bk = 64 if hip else 128  # 2 stages of 128-wide K tiles would not fit gfx942's 64 KiB of LDS
+        bk = 64 if hip else 128  # 2 stages of 128-wide K tiles would not fit gfx942's 64 KiB of LDS
+        stage1s, stage2s = DECODE_TWO_STAGE["hip" if hip else "cuda"]
+        for (bn, stages), (s2_bn, s2_warps, s2_stages, split) in itertools.product(stage1s, stage2s):
             add(FusedMoEConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=128, GROUP_M=1, num_warps=4,
-                               num_stages=2 if hip else 4, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=bk,
-                               S2_GROUP_M=1, s2_num_warps=4, s2_num_stages=2 if hip else 4, **hip_opts))
+                               num_stages=stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=bk,
+                               S2_GROUP_M=1, s2_num_warps=s2_warps, s2_num_stages=s2_stages, S2_SPLIT_K=split,
+                               **hip_opts))
     else:
         for bm, bn, s2_bn, s2_stages in itertools.product(block_m_candidates(M, E, topk), (64, 128), (128, 256),
                                                           (3, 4)):

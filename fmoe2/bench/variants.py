@@ -44,7 +44,8 @@ def variants_of(picked: fmoe2.FusedMoEConfig, M: int, E: int, H: int, I: int, to
     if M * topk / E <= 16:
         for cfg in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16):
             if cfg.path == "two_stage":
-                out[f"two_stage N{cfg.BLOCK_N}/S2N{cfg.S2_BLOCK_N}"] = cfg
+                out[f"two_stage N{cfg.BLOCK_N}x{cfg.num_stages}/S2N{cfg.S2_BLOCK_N}x{cfg.s2_num_stages}"
+                    f"w{cfg.s2_num_warps}/K{cfg.S2_SPLIT_K}"] = cfg
     return out
 
 

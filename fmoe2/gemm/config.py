@@ -11,7 +11,8 @@ Lookup order:
 Block sizes are then clamped to the problem (a block never exceeds the next power of two of the
 dimension it tiles, and never goes under 16, the smallest matrix-instruction size), and for
 16-bit outputs BLOCK_N is widened until each output element receives at most
-``MAX_ATOMIC_ADDS`` atomic adds (``topk * ceil(I / BLOCK_N)``): every add rounds the running sum
+``MAX_ATOMIC_ADDS`` atomic adds (``topk * ceil(I / BLOCK_N)``; on the two-stage path ``topk *
+S2_SPLIT_K``, capped likewise): every add rounds the running sum
 to the output dtype, so the error grows like the square root of their number (measured on an
 H200: Mixtral, M=1, 896 bf16 adds per element gave a relative error of 4e-2; 112 adds about 1.5e-2).
 A widened config keeps weight tiles of up to ``MAX_WEIGHT_TILE`` elements (BLOCK_K=64 at
@@ -93,6 +94,9 @@ class FusedMoEConfig:
     S2_GROUP_M: int = 8
     s2_num_warps: int = 8
     s2_num_stages: int = 3
+    # Stage-2 programs per output tile, each over a share of I (more, shorter programs; S2_SPLIT_K
+    # times the atomic adds per output element).
+    S2_SPLIT_K: int = 1
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -105,7 +109,7 @@ class FusedMoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"config {name} must be a power of two >= 1, got {v!r}")
-        for name in ("GROUP_M", "S2_GROUP_M", "num_stages", "s2_num_stages"):
+        for name in ("GROUP_M", "S2_GROUP_M", "num_stages", "s2_num_stages", "S2_SPLIT_K"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"config {name} must be an int >= 1, got {v!r}")
@@ -260,9 +264,14 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
                 block_m //= 2
             num_warps = max(num_warps, min(8, max(block_m * 2 * block_n // (32 * MAX_ACC_REGS),
                                                   2 * block_n * block_k // WEIGHT_TILE_PER_WARP)))
+    s2_block_k = cap(cfg.S2_BLOCK_K, I)
+    # Stage 2's K shares: none empty, and within the atomic-add cap for 16-bit outputs.
+    s2_split_k = min(cfg.S2_SPLIT_K, triton.cdiv(I, s2_block_k))
+    if dtype in (torch.bfloat16, torch.float16):
+        s2_split_k = max(1, min(s2_split_k, MAX_ATOMIC_ADDS // topk))
     return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
                    num_warps=num_warps, num_stages=num_stages,
-                   S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=cap(cfg.S2_BLOCK_K, I))
+                   S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=s2_block_k, S2_SPLIT_K=s2_split_k)
 
 
 def get_config(

@@ -434,7 +434,7 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
     y = workspace.y
     num_grid_tiles = grid_tiles(problem, sorting)
     H = problem.hidden_size
-    grid = (num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
+    grid = (config.S2_SPLIT_K * num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
     tma = tma_enabled(config, problem, backend)
     args = dict(
         a_ptr=y, b_ptr=problem.w2, c_ptr=out, sorted_ids_ptr=sorting.sorted_token_ids,
@@ -448,7 +448,8 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
     )
     constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=True,
                       BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
-                      GROUP_M=config.S2_GROUP_M, PDL=pdl_enabled(config, problem, backend))
+                      GROUP_M=config.S2_GROUP_M, PDL=pdl_enabled(config, problem, backend),
+                      SPLIT_K=config.S2_SPLIT_K)
     return grid, args, constexprs, {**config.launch_options(backend, stage2=True), **_pdl_option(constexprs["PDL"])}
 
 

@@ -4,7 +4,9 @@ One kernel, two users:
 
 * fmoe2's two-stage path, stage 2: A = the activated intermediate ``y`` in sorted order
   (row = sorted position, routing weight already applied), B = ``w2``, output rows = token ids,
-  added with relaxed atomics into the output the sort zeroed (``topk`` adds per element);
+  added with relaxed atomics into the output the sort zeroed (``topk`` adds per element, times
+  ``SPLIT_K``: with SPLIT_K > 1 the programs of one output tile each take a share of K, which at
+  decode sizes gives more, shorter programs);
 * the benchmark's vLLM-style baseline: A gathered by expanded id (``x[id // topk]`` or
   ``cache2[id]``), output stored at row ``id``, optionally times ``topk_weights[id]``.
 
@@ -48,13 +50,19 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
+    SPLIT_K: tl.constexpr = 1,  # programs per (tile, N block), each over a share of K (ATOMIC_OUTPUT only)
 ):
-    """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block);
-    programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
+    """Grid: (SPLIT_K * num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block),
+    K shares slowest; programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
+    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
     if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
         gdc_wait()
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps of each share
+    k_first = (pid // (num_grid_tiles * num_n_blocks)) * k_steps * BLOCK_K
+    k_end = tl.minimum(K, k_first + k_steps * BLOCK_K)
+    pid = pid % (num_grid_tiles * num_n_blocks)
     programs_per_group = GROUP_M * num_n_blocks
     first_tile = (pid // programs_per_group) * GROUP_M
     group_tiles = tl.minimum(num_grid_tiles - first_tile, GROUP_M)
@@ -79,7 +87,7 @@ def _grouped_gemm_kernel(
     b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_row0 = (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
         k_valid = k < K
         if a_desc is not None:

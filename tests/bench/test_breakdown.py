@@ -81,6 +81,10 @@ def test_variants_cover_the_opt_in_features_and_decode_two_stage():
     assert {"picked", "tma", "pdl", "tma+pdl"} <= set(decode)
     assert decode["tma+pdl"].tma and decode["tma+pdl"].pdl and not decode["picked"].tma
     assert any(c.path == "two_stage" and c.BLOCK_N <= 64 for c in decode.values())
+    # Every decode two-stage candidate of the search under its own label (none overwrites another).
+    from fmoe2.bench.search import fmoe2_candidates
+    two_stage = [c for c in fmoe2_candidates(1, E, H, I, topk, torch.bfloat16) if c.path == "two_stage"]
+    assert sorted(map(repr, two_stage)) == sorted(repr(c) for c in decode.values() if c.path == "two_stage")
     large = variants_of(fmoe2.get_config(4096, E, H, I, topk, torch.bfloat16), 4096, E, H, I, topk)
     assert set(large) == {"picked", "tma", "pdl", "tma+pdl"}
 

@@ -26,8 +26,10 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         assert {c.BLOCK_M for c in f} == {c[0].BLOCK_M for c in b} == set(block_m_candidates(M, E, topk))
         assert all(topk * -(-I // c.BLOCK_N) <= MAX_ATOMIC_ADDS for c in f if c.path == "fused")
         two_stage = [c for c in f if c.path == "two_stage"]
-        assert two_stage  # at decode sizes too: a few narrow-slice configs (no atomic-add cap there)
-        assert (len(two_stage) <= 4) == (M * topk / E <= 16)
+        assert two_stage  # at decode sizes too: narrow-slice configs (no atomic-add cap there)
+        assert all(topk * c.S2_SPLIT_K <= MAX_ATOMIC_ADDS for c in two_stage)
+        # K shares for stage 2 are tried at decode sizes only (at Mixtral M=128 they were slower).
+        assert any(c.S2_SPLIT_K > 1 for c in two_stage) == (M * topk / E <= 16)
 
 
 def test_search_tries_tiles_taller_than_the_rows_per_expert():

@@ -97,6 +97,17 @@ def test_fit_config_switches_path_and_applies_the_precision_cap():
     assert fit_config(fused, 4096, 14336, 2, torch.bfloat16) == fused  # idempotent
 
 
+def test_fit_config_caps_stage2_k_shares():
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, BLOCK_H=64, path="two_stage", S2_BLOCK_K=64,
+                         S2_SPLIT_K=32)
+    assert fit_config(cfg, 2048, 768, 8, torch.bfloat16).S2_SPLIT_K == 12  # 768 / 64 K steps, none empty
+    assert fit_config(cfg, 2048, 4096, 8, torch.bfloat16).S2_SPLIT_K == 16  # 8 * 16 = MAX_ATOMIC_ADDS
+    assert fit_config(cfg, 2048, 4096, 8, torch.float32).S2_SPLIT_K == 32  # fp32 outputs: no precision cap
+    assert fit_config(cfg, 2048, 40, 1, torch.bfloat16).S2_SPLIT_K == 1  # one K step (S2_BLOCK_K capped to 64)
+    with pytest.raises(ValueError, match="S2_SPLIT_K must be an int >= 1"):
+        FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, S2_SPLIT_K=0)
+
+
 def test_fit_lora_config_keeps_what_was_measured_to_fit():
     from fmoe2.gemm.config import fit_lora_config
 

@@ -69,6 +69,18 @@ def test_two_stage_config_with_its_own_stage2_tiling():
         assert_matches_reference(out, x, w1, w2, tw, ti)
 
 
+@pytest.mark.parametrize("split", [2, 3, 4])
+def test_stage2_k_shares(split):
+    # I=56 in 16-wide K steps: 4 steps, so 3 shares get 2, 2 and 0 steps (the empty one adds zeros);
+    # topk=3 and the routing leaves experts empty.
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="two_stage", S2_BLOCK_N=16,
+                         S2_BLOCK_K=16, S2_SPLIT_K=split)
+    x, w1, w2, tw, ti = make_problem(13, 5, 40, 56, 3, torch.float16, seed=split)
+    for weights in ((w1, w2), (prepare_weights(w1, w2), None)):
+        out = fused_moe(x, *weights, tw, ti, config=cfg, out=poisoned(13, 40, torch.float16))
+        assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
 def test_expert_map_drops_other_ranks(path):
     M, E_global, topk = 24, 8, 3
