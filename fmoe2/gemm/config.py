@@ -269,6 +269,9 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     s2_split_k = min(cfg.S2_SPLIT_K, triton.cdiv(I, s2_block_k))
     if dtype in (torch.bfloat16, torch.float16):
         s2_split_k = max(1, min(s2_split_k, MAX_ATOMIC_ADDS // topk))
+    # Shares take ceil(steps / split) steps each: the fewest shares of that length leave none empty.
+    s2_steps = triton.cdiv(I, s2_block_k)
+    s2_split_k = triton.cdiv(s2_steps, triton.cdiv(s2_steps, s2_split_k))
     return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
                    num_warps=num_warps, num_stages=num_stages,
                    S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=s2_block_k, S2_SPLIT_K=s2_split_k)

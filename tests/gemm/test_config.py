@@ -104,6 +104,10 @@ def test_fit_config_caps_stage2_k_shares():
     assert fit_config(cfg, 2048, 4096, 8, torch.bfloat16).S2_SPLIT_K == 16  # 8 * 16 = MAX_ATOMIC_ADDS
     assert fit_config(cfg, 2048, 4096, 8, torch.float32).S2_SPLIT_K == 32  # fp32 outputs: no precision cap
     assert fit_config(cfg, 2048, 40, 1, torch.bfloat16).S2_SPLIT_K == 1  # one K step (S2_BLOCK_K capped to 64)
+    # 4 K steps in 3 shares would be 2, 2 and 0 steps: 2 shares of 2.
+    three = replace(cfg, S2_SPLIT_K=3)
+    assert fit_config(three, 2048, 256, 2, torch.bfloat16).S2_SPLIT_K == 2
+    assert fit_config(fit_config(three, 2048, 256, 2, torch.bfloat16), 2048, 256, 2, torch.bfloat16).S2_SPLIT_K == 2
     with pytest.raises(ValueError, match="S2_SPLIT_K must be an int >= 1"):
         FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, S2_SPLIT_K=0)
 

@@ -71,8 +71,8 @@ def test_two_stage_config_with_its_own_stage2_tiling():
 
 @pytest.mark.parametrize("split", [2, 3, 4])
 def test_stage2_k_shares(split):
-    # I=56 in 16-wide K steps: 4 steps, so 3 shares get 2, 2 and 0 steps (the empty one adds zeros);
-    # topk=3 and the routing leaves experts empty.
+    # I=56 in 16-wide K steps: 4 steps (split 3 is fitted to 2 shares of 2 steps); topk=3 and the
+    # routing leaves experts empty.
     cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="two_stage", S2_BLOCK_N=16,
                          S2_BLOCK_K=16, S2_SPLIT_K=split)
     x, w1, w2, tw, ti = make_problem(13, 5, 40, 56, 3, torch.float16, seed=split)
@@ -344,3 +344,35 @@ def test_gap_tiles_are_skipped(path):
     for _, launch in launches[1:]:
         launch()
     assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+def test_stage2_first_k_share_covers_only_its_share():
+    # Only the first of 2 shares launched: the output must be the down GEMM over the first half of I
+    # (a kernel that ignored SPLIT_K would add the whole product there, and its extra programs would
+    # exit past the tiles unnoticed by the end-to-end tests).
+    import importlib
+
+    from fmoe2.gemm.config import current_backend, fit_config
+    from fmoe2.gemm.fused_moe_kernel import _fused_moe_kernel
+    from fmoe2.gemm.grouped_gemm_kernel import _grouped_gemm_kernel
+    from fmoe2.sorting import MoESortingResult, launch_moe_sorting
+
+    impl = importlib.import_module("fmoe2.gemm.fused_moe")
+    M, E, H, I, topk = 9, 3, 32, 64, 2
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float32, seed=4)
+    cfg = fit_config(FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="two_stage",
+                                    S2_BLOCK_N=16, S2_BLOCK_K=16, S2_SPLIT_K=2), H, I, topk, torch.float32)
+    assert cfg.S2_SPLIT_K == 2
+    out = poisoned(M, H, torch.float32)
+    backend = current_backend()
+    problem = impl.check_fused_moe_args(x, w1, w2, tw, ti, "silu", out, None, cfg)
+    sorting = MoESortingResult.allocate(M * topk, E, cfg.BLOCK_M, M, x.device)
+    launch_moe_sorting(ti, tw, E, None, sorting, out)
+    workspace = impl.TwoStageWorkspace.allocate(problem, sorting)
+    grid, args, constexprs, options = impl.fused_kernel_launch(problem, out, sorting, "silu", cfg, backend, workspace)
+    _fused_moe_kernel[grid](**args, **constexprs, **options)
+    grid, args, constexprs, options = impl.stage2_kernel_launch(problem, out, sorting, workspace, cfg, backend)
+    _grouped_gemm_kernel[(grid[0] // 2,)](**args, **constexprs, **options)
+    w2_first_half = w2.clone()
+    w2_first_half[:, :, I // 2:] = 0
+    assert_matches_reference(out, x, w1, w2_first_half, tw, ti)
