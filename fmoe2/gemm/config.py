@@ -265,11 +265,11 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
             num_warps = max(num_warps, min(8, max(block_m * 2 * block_n // (32 * MAX_ACC_REGS),
                                                   2 * block_n * block_k // WEIGHT_TILE_PER_WARP)))
     s2_block_k = cap(cfg.S2_BLOCK_K, I)
-    # Stage 2's K shares: none empty, and within the atomic-add cap for 16-bit outputs.
-    s2_split_k = min(cfg.S2_SPLIT_K, triton.cdiv(I, s2_block_k))
+    # Stage 2's K shares: within the atomic-add cap for 16-bit outputs, and none empty (shares take
+    # ceil(steps / split) steps each, so the fewest shares of that length cover the steps).
+    s2_split_k = cfg.S2_SPLIT_K
     if dtype in (torch.bfloat16, torch.float16):
         s2_split_k = max(1, min(s2_split_k, MAX_ATOMIC_ADDS // topk))
-    # Shares take ceil(steps / split) steps each: the fewest shares of that length leave none empty.
     s2_steps = triton.cdiv(I, s2_block_k)
     s2_split_k = triton.cdiv(s2_steps, triton.cdiv(s2_steps, s2_split_k))
     return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
