@@ -40,7 +40,8 @@ from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
 from .gemm.lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 from .shapes import SHAPES
-from .sorting.moe_sorting import MoESortingResult, _moe_sorting_kernel, sort_programs, sorting_kernel_launch
+from .sorting.moe_sorting import (MoESortingResult, _count_chunk_keys_kernel, _moe_sorting_kernel, count_kernel_launch,
+                                  sort_programs, sorting_kernel_launch)
 
 TARGETS = {
     "sm_80": GPUTarget("cuda", 80, 32),
@@ -190,8 +191,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
                    num_loras: int = 4, tma: bool = False, pdl: bool = False) -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
-    Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always,
-    and ``fused_moe_stage1`` and ``moe_stage2`` too when the picked config uses the two-stage path.
+    Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always
+    (``moe_sorting_count`` before the sort where it takes two launches, ``sort_chunk_size``), and ``fused_moe_stage1`` and ``moe_stage2`` too when the picked config uses the two-stage path.
     With ``lora_rank`` > 0 the kernels carry ``num_loras`` adapters of that rank: ``moe_sorting_lora``
     (the sort with its count of tokens with an adapter), ``fused_moe_lora`` (the fused path), and
     where the picked config is two-stage, ``lora_shrink13``, ``lora_expand13``,
@@ -227,14 +228,23 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
     reports = []
     # The sort's programs per expert and warps as on a GPU of this target (on meta tensors the
-    # launcher would pick those of a run without a GPU).
+    # launcher would pick those of a run without a GPU); the chunked sort's do not depend on it.
     num_parts, num_warps = sort_programs(E, M * topk, TARGET_MULTIPROCESSORS[target_name])
+
+    def sort_reports(name, sorting, **lora_args):
+        programs = {} if sorting.chunk_size else dict(num_parts=num_parts, num_warps=num_warps)
+        if sorting.chunk_size:
+            grid, args, constexprs, options = count_kernel_launch(topk_ids, E, None, sorting,
+                                                                  launch_dependents=pdl)
+            reports.append({"kernel": name + "_count", **common,
+                            **_compile(_count_chunk_keys_kernel, grid, args, constexprs, options, target)})
+        grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
+                                                                launch_dependents=pdl, **lora_args, **programs)
+        reports.append({"kernel": name, **common, "chunk_size": sorting.chunk_size,
+                        **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
+
     sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
-    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
-                                                            launch_dependents=pdl, num_parts=num_parts,
-                                                            num_warps=num_warps)
-    reports.append({"kernel": "moe_sorting", **common,
-                    **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
+    sort_reports("moe_sorting", sorting)
     grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, fused_config, backend)
     reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
                     **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
@@ -246,12 +256,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         suffix = "_lora"
         lora_config = fit_lora_config_to_problem(fused_config, M, E, inter, topk, TARGET_MULTIPROCESSORS[target_name])
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
-        grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
-                                                                token_lora_ids=problem.token_lora_ids,
-                                                                num_loras=num_loras, launch_dependents=pdl,
-                                                                num_parts=num_parts, num_warps=num_warps)
-        reports.append({"kernel": "moe_sorting_lora", **common,
-                        **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
+        sort_reports("moe_sorting_lora", sorting, token_lora_ids=problem.token_lora_ids, num_loras=num_loras)
         grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, lora_config, backend)
         reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
                         **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})

@@ -94,14 +94,26 @@ def test_sm90_pdl_configs_wait_for_the_previous_launch():
     wait, early = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
     for key in (("fused_moe", 1), ("fused_moe", 4096), ("fused_moe_stage1", 4096), ("moe_stage2", 4096)):
         assert wait in r[key]["grid_dependency_control"] and no_spills(r[key]), (key, r[key])
-    for key in (("moe_sorting", 1), ("moe_sorting", 4096), ("fused_moe_stage1", 4096)):
+    for key in (("moe_sorting", 1), ("fused_moe_stage1", 4096)):
         assert early in r[key]["grid_dependency_control"], (key, r[key])
-    # The sort as a GPU of the target runs it (sort_programs): Qwen3's 128 experts at M=4096 get 2
-    # programs each (then 64 that zero the output) with 4 warps on 132 multiprocessors, 8 on 304.
-    assert r[("moe_sorting", 4096)]["grid"] == [2 * 128 + 64] and r[("moe_sorting", 4096)]["num_warps"] == 4
+    # At M=4096 the sort takes two launches (sort_chunk_size): 64 programs count 512-entry chunks and
+    # let the scatter launch start; its 64 chunk programs and 128 expert programs wait for the counts
+    # (its 64 zeroing programs need not), and it lets the next launch start.
+    count, scatter = r[("moe_sorting_count", 4096)], r[("moe_sorting", 4096)]
+    assert count["grid"] == [64] and count["grid_dependency_control"] == [early] and no_spills(count), count
+    assert scatter["chunk_size"] == 512 and scatter["grid"] == [64 + 128 + 64], scatter
+    assert scatter["grid_dependency_control"] == [early, wait] and no_spills(scatter), scatter
     rocm = codegen("gfx942", "qwen3-30b-a3b", "4096", "--pdl")  # ignored on ROCm: still compiles
     assert ("moe_stage2", 4096) in rocm
-    assert rocm[("moe_sorting", 4096)]["grid"] == [2 * 128 + 64] and rocm[("moe_sorting", 4096)]["num_warps"] == 8
+    for kernel in ("moe_sorting_count", "moe_sorting"):  # tl.histogram, tl.sort and tl.gather in 64 KiB of LDS
+        rep = rocm[(kernel, 4096)]
+        assert no_spills(rep) and rep["lds_bytes"] <= 64 * 1024, rep
+    # The one-launch sort as a GPU of the target runs it (sort_programs): 100 experts, top-8, M=600
+    # (4800 entries, 2 scan steps, under sort_chunk_size's threshold) get 2 programs each, then 19
+    # that zero the output, with 4 warps on 132 multiprocessors and 8 on 304.
+    for target, warps in (("sm_90", 4), ("gfx942", 8)):
+        rep = codegen(target, "100,256,128,8", "600")[("moe_sorting", 600)]
+        assert rep["chunk_size"] == 0 and rep["grid"] == [2 * 100 + 19] and rep["num_warps"] == warps, rep
     # With adapters the two-stage path's LoRA launches join the chain: each waits and signals early.
     r = codegen("sm_90", "qwen3-30b-a3b", "4096", "--pdl", "--lora-rank", "16")
     for kernel in ("lora_shrink13", "lora_expand13", "fused_moe_stage1_lora", "lora_shrink2", "lora_expand2"):

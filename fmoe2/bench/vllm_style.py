@@ -97,7 +97,8 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
     inter = two_i // 2
     topk = topk_ids.shape[1]
     num_entries = M * topk
-    sorting = MoESortingResult.allocate(num_entries, E, gemm1.BLOCK_M, M, x.device)
+    # One alignment kernel like vLLM's CUDA op (the baseline): never the two-launch chunked sort.
+    sorting = MoESortingResult.allocate(num_entries, E, gemm1.BLOCK_M, M, x.device, chunk_size=0)
     launch_moe_sorting(topk_ids, topk_weights, E, None, sorting, None, expanded_ids=True)
     cache1 = torch.empty(num_entries, two_i, dtype=x.dtype, device=x.device)
     cache2 = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)

@@ -101,7 +101,7 @@ class LoRASteps:
         self.topk = topk
         self.cfg = cfg or default_lora_configs(self.num_entries, lora.num_loras, lora.num_experts)
         self.sorting = MoESortingResult.allocate(self.num_entries, lora.num_loras * lora.num_experts,
-                                                 self.cfg.BLOCK_M, M, topk_ids.device)
+                                                 self.cfg.BLOCK_M, M, topk_ids.device, chunk_size=0)  # one kernel
         launch_moe_sorting(topk_ids, topk_weights, lora.num_experts, None, self.sorting, None, expanded_ids=True,
                            token_lora_ids=token_lora_ids, num_loras=lora.num_loras, lora_keys=True)
 

@@ -1,4 +1,5 @@
-"""Routing -> expert-major tiles (one launch, also zeroes the output)."""
+"""Routing -> expert-major tiles (one launch, or two for large batches of many experts; also zeroes
+the output)."""
 from .moe_sorting import (
     MoESortingResult,
     launch_moe_sorting,

@@ -51,3 +51,18 @@ def test_sort_settings_sweep_refuses_without_gpu():
 
     with pytest.raises(SystemExit, match="needs a CUDA or ROCm GPU"):
         main(["--out-dir", "unused"])
+
+
+def test_forward_comparison_switches_the_sort_off_and_back():
+    # --forward times fused_moe with the picked sort against the one-launch sort: inside the context
+    # every allocation takes one launch, after it the rule is back (also after an error).
+    from fmoe2.bench.sort_settings import one_launch_sort
+    from fmoe2.sorting import MoESortingResult
+
+    qwen3_m4096 = dict(num_entries=4096 * 8, num_experts=128, block_m=64, num_tokens=4096, device="meta")
+    assert MoESortingResult.allocate(**qwen3_m4096).chunk_size == 512
+    with one_launch_sort():
+        assert MoESortingResult.allocate(**qwen3_m4096).chunk_size == 0
+    with pytest.raises(RuntimeError), one_launch_sort():
+        raise RuntimeError
+    assert MoESortingResult.allocate(**qwen3_m4096).chunk_size == 512

@@ -1,5 +1,6 @@
 """fused_moe against the float64 reference (CPU interpreter in fp16/fp32, or the GPU), edge
 cases, expert parallelism, prepared weights, configs and argument checks."""
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -376,3 +377,20 @@ def test_stage2_first_k_share_covers_only_its_share():
     w2_first_half = w2.clone()
     w2_first_half[:, :, I // 2:] = 0
     assert_matches_reference(out, x, w1, w2_first_half, tw, ti)
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_forward_with_the_chunked_sort(path, monkeypatch):
+    # The forward as it runs where sort_chunk_size picks the two-launch sort (16-entry chunks here),
+    # with an expert map dropping the entries of other ranks.
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "sort_chunk_size",
+                        lambda num_keys, num_entries: 16)
+    M, E, H, I, topk = 30, 6, 40, 24, 3
+    x, w1, w2, tw, ti = make_problem(M, 2 * E, H, I, topk, torch.float16, seed=21)
+    out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, H, torch.float16), path=path)
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+    expert_map = torch.full((2 * E,), -1, dtype=torch.int32)
+    expert_map[::2] = torch.arange(E, dtype=torch.int32)
+    out = fused_moe(x, w1[::2].contiguous(), w2[::2].contiguous(), tw, ti, expert_map=expert_map.to(DEVICE),
+                    out=poisoned(M, H, torch.float16), path=path)
+    assert_matches_reference(out, x, w1[::2], w2[::2], tw, ti, expert_map=expert_map.to(DEVICE))

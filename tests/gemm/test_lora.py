@@ -314,3 +314,18 @@ def test_two_stage_lora_expand_columns_per_architecture():
     assert lora_expand_block_n(128, "cuda", None) == 128  # an unknown GPU (the interpreter) takes sm_90's rule
     assert [lora_expand_block_n(m, "cuda", 80) for m in (32, 64, 128)] == [128, 64, 64]
     assert [lora_expand_block_n(m, "hip", None) for m in (16, 128)] == [64, 64]
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_adapters_with_the_chunked_sort(path, monkeypatch):
+    # Where sort_chunk_size picks the two-launch sort (large batches of many experts), the count of tokens
+    # with an adapter moves to its second launch: 16-entry chunks here, mixed adapters, then none.
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "sort_chunk_size",
+                        lambda num_keys, num_entries: 16)
+    run_and_check(21, 5, 40, 24, 3, 16, torch.float16, config=CONFIGS[path], seed=8)
+    M, E, H, I, topk = 9, 4, 40, 32, 2
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=3)
+    lora = prepare_lora(make_lora(2, E, H, I, 16, torch.float16))
+    none = torch.full((M,), -1, dtype=torch.int32, device=DEVICE)
+    out = fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=none, config=CONFIGS[path])
+    assert rel_error(out, fused_moe(x, w1, w2, tw, ti, config=CONFIGS[path])) < 2e-3

@@ -3,11 +3,25 @@ import importlib
 
 import pytest
 import torch
+import triton
 
 from fmoe2 import moe_sorting, moe_sorting_reference
 from fmoe2.sorting import MoESortingResult, launch_moe_sorting, max_num_tokens_padded
-from fmoe2.sorting.moe_sorting import MAX_SCAN_BLOCK, sort_programs
+from fmoe2.sorting.moe_sorting import MAX_SCAN_BLOCK, sort_chunk_size, sort_programs
 from helpers import DEVICE
+
+BUFFERS = ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded", "num_sorted_tiles")
+
+
+@pytest.fixture(params=["one_launch", "chunked"])
+def sort_mode(request, monkeypatch):
+    """Runs a test with each sort: the one launch, and the two-launch chunked sort in chunks of an
+    eighth of the entries rounded up to a power of two (at least 16: several chunks, the last one
+    mostly partial) whatever ``sort_chunk_size`` would pick."""
+    if request.param == "chunked":
+        monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "sort_chunk_size",
+                            lambda num_keys, num_entries: max(16, triton.next_power_of_2(num_entries) // 8))
+    return request.param
 
 
 def check_sorting(topk_ids, topk_weights, E, block_m, expert_map=None):
@@ -50,7 +64,7 @@ def check_sorting(topk_ids, topk_weights, E, block_m, expert_map=None):
     return res
 
 
-def test_worked_example_from_docs():
+def test_worked_example_from_docs(sort_mode):
     ids = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 2]], dtype=torch.int32, device=DEVICE)
     w = torch.tensor([[.6, .4], [.7, .3], [.5, .5], [.9, .1]], device=DEVICE)
     res = moe_sorting(ids, w, 4, 4)
@@ -70,7 +84,10 @@ def test_worked_example_from_docs():
     (1000, 2, 3, 64, torch.int32),
     (5000, 1, 16, 128, torch.int32),
 ])
-def test_random_routing(M, topk, E, block_m, id_dtype):
+def test_random_routing(M, topk, E, block_m, id_dtype, sort_mode):
+    if sort_mode == "chunked" and M * topk > 3000:
+        pytest.skip("20 s under the interpreter (its tl.sort reduces element by element); the GPU tests sort "
+                    "up to 524288 entries in chunks")
     gen = torch.Generator().manual_seed(M * 31 + E)
     ids = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]) if topk <= E else \
         torch.randint(0, E, (M, topk), generator=gen)
@@ -78,7 +95,7 @@ def test_random_routing(M, topk, E, block_m, id_dtype):
     check_sorting(ids.to(DEVICE, id_dtype), w.to(DEVICE), E, block_m)
 
 
-def test_all_tokens_on_one_expert_and_empty_experts():
+def test_all_tokens_on_one_expert_and_empty_experts(sort_mode):
     M, topk, E = 200, 2, 9
     ids = torch.full((M, topk), 4, dtype=torch.int32)
     ids[:, 1] = 7
@@ -87,7 +104,7 @@ def test_all_tokens_on_one_expert_and_empty_experts():
     assert set(res.sorted_expert_ids[:res.num_sorted_tiles.item()].tolist()) - {-1} == {4, 7}
 
 
-def test_worst_case_routing_fills_the_buffers():
+def test_worst_case_routing_fills_the_buffers(sort_mode):
     # Every expert gets exactly block_m entries: each is followed by a gap tile, and the layout
     # uses all max_busy_tiles tiles of the worst-case buffers.
     M, topk, E, block_m = 32, 2, 4, 16
@@ -213,7 +230,7 @@ def test_sort_programs_rule():
     assert sort_programs(8, MAX_SCAN_BLOCK // 2, 132) == (1, 4)  # a short scan: 4 warps
 
 
-def test_reused_buffers_hold_no_stale_data():
+def test_reused_buffers_hold_no_stale_data(sort_mode):
     # CUDA-graph replays reuse the result buffers: a second launch with other routing must rewrite
     # every element (garbage-filled buffers, then all tokens on one expert, then uniform routing).
     M, topk, E, block_m = 18, 2, 8, 4
@@ -231,7 +248,7 @@ def test_reused_buffers_hold_no_stale_data():
             assert torch.equal(getattr(res, name), getattr(fresh, name)), name
 
 
-def test_large_expert_count():
+def test_large_expert_count(sort_mode):
     M, topk, E = 64, 8, 512
     ids = torch.randint(0, E, (M, topk), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
     check_sorting(ids.to(DEVICE), torch.rand(M, topk).to(DEVICE), E, 16)
@@ -246,7 +263,7 @@ def test_many_scan_steps_and_tail_blocks(monkeypatch):
     check_sorting(ids.to(DEVICE), torch.rand(M, topk).to(DEVICE), E, 16)
 
 
-def test_expert_map_drops_other_ranks():
+def test_expert_map_drops_other_ranks(sort_mode):
     M, topk, E_global = 50, 4, 12
     gen = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(E_global, generator=gen)[:topk] for _ in range(M)]).int()
@@ -324,3 +341,102 @@ def test_bad_input_is_refused_before_launch(call, exc, match):
     w = torch.rand(5, 2, device=DEVICE)
     with pytest.raises(exc, match=match):
         call(ids, w)
+
+
+def _routing(M, topk, E, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:topk] for _ in range(M)]).int()
+    return ids, torch.rand(M, topk, generator=gen), gen
+
+
+@pytest.mark.parametrize("M,topk,E,block_m,chunk_size,id_dtype", [
+    (1, 1, 1, 16, 16, torch.int32),  # one partial chunk
+    (9, 3, 5, 16, 16, torch.int64),
+    (37, 3, 7, 32, 16, torch.int32),  # 111 entries: 7 chunks, the last with 15
+    (64, 2, 9, 16, 32, torch.int64),  # chunks end where the entries do
+    (50, 4, 130, 16, 64, torch.int32),  # more keys than a chunk has entries: table rows longer than a chunk
+])
+def test_chunked_sort_equals_the_one_launch_sort(M, topk, E, block_m, chunk_size, id_dtype):
+    # Bit for bit, with the zeroing; the first launch's table holds each chunk's counts per expert.
+    ids, w, _ = _routing(M, topk, E, M + E)
+    ids_d, w_d = ids.to(DEVICE, id_dtype), w.to(DEVICE)
+    one = MoESortingResult.allocate(M * topk, E, block_m, M, DEVICE, chunk_size=0)
+    launch_moe_sorting(ids_d, w_d, E, None, one, None)
+    chunked = MoESortingResult.allocate(M * topk, E, block_m, M, DEVICE, chunk_size=chunk_size)
+    for name in BUFFERS + ("chunk_key_counts",):
+        getattr(chunked, name).fill_(-5)
+    out = torch.full((M, 7), float("nan"), device=DEVICE)
+    launch_moe_sorting(ids_d, w_d, E, None, chunked, out)
+    for name in BUFFERS:
+        assert torch.equal(getattr(chunked, name), getattr(one, name)), name
+    assert (out == 0).all()
+    num_chunks = -(-M * topk // chunk_size)
+    table = chunked.chunk_key_counts.cpu()
+    assert table.shape == (num_chunks, max(triton.next_power_of_2(E), 16))
+    flat = ids.flatten().long()
+    for c in range(num_chunks):
+        counts = torch.bincount(flat[c * chunk_size:(c + 1) * chunk_size], minlength=table.shape[1])
+        assert torch.equal(table[c], counts.int()), c
+
+
+def test_chunked_sort_drops_like_the_one_launch_sort():
+    # expert_map, ids outside [0, E), vLLM's expanded ids, the adapter-keyed baseline sort, and the count of
+    # tokens with an adapter: every option of the one-launch sort gives the same buffers in chunks.
+    M, topk, E_global, block_m = 41, 4, 11, 16
+    ids, w, gen = _routing(M, topk, E_global, 3)
+    ids[5, 2], ids[17, 0], ids[30, 3] = -1, E_global + 4, 2**31 - 1
+    expert_map = torch.full((E_global,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([0, 3, 4, 8, 10])] = torch.arange(5, dtype=torch.int32)
+    lora_ids = torch.randint(-1, 3, (M,), generator=gen, dtype=torch.int32).to(DEVICE)
+    ids, w, expert_map = ids.to(DEVICE), w.to(DEVICE), expert_map.to(DEVICE)
+    cases = {
+        "expert_map": (5, dict(expert_map=expert_map), {}),
+        "expanded_ids": (E_global, dict(expert_map=None, expanded_ids=True), {}),
+        "adapter_keys": (3 * E_global, dict(expert_map=None, expanded_ids=True, token_lora_ids=lora_ids, num_loras=3,
+                                             lora_keys=True), {}),
+        "lora_count": (E_global, dict(expert_map=None, token_lora_ids=lora_ids, num_loras=3),
+                       dict(count_lora_tokens=True)),
+    }
+    for case, (num_keys, launch_args, alloc_args) in cases.items():
+        E = 5 if case == "expert_map" else E_global
+        results = []
+        for chunk_size in (0, 16):
+            res = MoESortingResult.allocate(M * topk, num_keys, block_m, M, DEVICE, chunk_size=chunk_size,
+                                            **alloc_args)
+            if res.num_lora_tokens is not None:
+                res.num_lora_tokens.fill_(-1)
+            options = {k: v for k, v in launch_args.items() if k != "expert_map"}
+            launch_moe_sorting(ids, w, E, launch_args["expert_map"], res, None, **options)
+            results.append(res)
+        names = BUFFERS + (("num_lora_tokens",) if case == "lora_count" else ())
+        for name in names:
+            assert torch.equal(getattr(results[0], name), getattr(results[1], name)), (case, name)
+    kept = (expert_map[ids.clamp(0, E_global - 1).long()] >= 0) & (ids >= 0) & (ids < E_global)
+    assert 0 < kept.sum() < M * topk  # the map drops entries and keeps others
+
+
+def test_sort_chunk_size_rule():
+    # One launch up to 2**19 key-entry pairs or below 64 keys; else the smallest chunks of 256, 512 or
+    # 1024 entries whose count table stays within 8192 counts (sort_settings sweep, misc/bench/sort).
+    assert sort_chunk_size(128, 512 * 8) == 0  # Qwen3-30B-A3B M=512: exactly 2**19
+    assert sort_chunk_size(128, 513 * 8) == 256
+    assert sort_chunk_size(128, 2048 * 8) == 256  # 64 chunks x 128 keys = 8192 counts
+    assert sort_chunk_size(128, 4096 * 8) == 512
+    assert sort_chunk_size(128, 8192 * 8) == 1024
+    assert sort_chunk_size(64, 1024 * 6) == 0  # DeepSeek-V2-Lite M=1024: tied with the chunks
+    assert sort_chunk_size(64, 4096 * 6) == 256
+    assert sort_chunk_size(64, 8192 * 6) == 512
+    assert sort_chunk_size(384, 1024 * 8) == 512  # 512-key table rows
+    assert sort_chunk_size(256, 4096 * 8) == 1024
+    assert sort_chunk_size(384, 65536 * 8) == 1024  # past 8192 counts at every size: the largest chunks
+    assert sort_chunk_size(8, 65536 * 2) == 0  # Mixtral: bound by zeroing its output either way
+    assert sort_chunk_size(63, 10 ** 6) == 0
+
+
+def test_chunked_sort_arguments():
+    with pytest.raises(ValueError, match="chunk_size must be 0 or a power of two"):
+        MoESortingResult.allocate(100, 4, 16, 50, DEVICE, chunk_size=48)
+    ids, w, _ = _routing(10, 2, 4, 0)
+    res = MoESortingResult.allocate(20, 4, 16, 10, DEVICE, chunk_size=16)
+    with pytest.raises(ValueError, match="the chunked sort .* has one program per expert"):
+        launch_moe_sorting(ids.to(DEVICE), w.to(DEVICE), 4, None, res, None, num_parts=2)
