@@ -5,7 +5,8 @@
 
 For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
 AMD), spills, shared memory / LDS bytes, the matrix instructions found and the instructions the
-atomic adds into the output lower to (a CAS loop shows as ``cas_loop: true``). The fused kernel
+atomic adds into the output lower to (a CAS loop shows as ``cas_loop: true``) and, on CUDA, the
+programmatic-dependent-launch instructions and the global loads laid out before the wait. The fused kernel
 is compiled exactly as :func:`fmoe2.fused_moe` would launch it (same arguments, constexprs,
 options and the divisibility hints Triton's JIT derives), from meta tensors, so no GPU and no
 memory of real size is needed. This is how ROCm support is checked without an AMD GPU.
@@ -137,7 +138,16 @@ def _report_cuda(compiled) -> dict:
         "tensor_copy_instructions": tensor_copies,  # UTMALDG: tiles loaded through tensor descriptors
         # griddepcontrol.wait / .launch_dependents: programmatic dependent launch (FusedMoEConfig.pdl)
         "grid_dependency_control": sorted(set(re.findall(r"griddepcontrol\.\w+", compiled.asm["ptx"]))),
+        # global loads laid out before the first griddepcontrol.wait in the PTX (None without one): reads
+        # of the previous launch's results must come after it
+        "global_loads_before_wait": _loads_before_wait(compiled.asm["ptx"]),
     }
+
+
+def _loads_before_wait(ptx: str):
+    if "griddepcontrol.wait" not in ptx:
+        return None
+    return len(re.findall(r"\bld\.global", ptx[:ptx.index("griddepcontrol.wait")]))
 
 
 def _report_hip(compiled) -> dict:

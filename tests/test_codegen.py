@@ -92,8 +92,12 @@ def test_sm90_pdl_configs_wait_for_the_previous_launch():
     # reads its predecessor's results, and the sort and stage 1 let their dependents start early.
     r = codegen("sm_90", "qwen3-30b-a3b", "1,4096", "--pdl")
     wait, early = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
-    for key in (("fused_moe", 1), ("fused_moe", 4096), ("fused_moe_stage1", 4096), ("moe_stage2", 4096)):
+    for key in (("fused_moe", 1), ("fused_moe", 4096), ("fused_moe_stage1", 4096), ("moe_stage2", 4096),
+                ("moe_sorting", 4096)):
         assert wait in r[key]["grid_dependency_control"] and no_spills(r[key]), (key, r[key])
+        # Nothing read from global memory before the wait (in the PTX's layout): a sort program that read
+        # the count table first raced the count launch (and failed the GPU graph test).
+        assert r[key]["global_loads_before_wait"] == 0, (key, r[key])
     for key in (("moe_sorting", 1), ("fused_moe_stage1", 4096)):
         assert early in r[key]["grid_dependency_control"], (key, r[key])
     # At M=4096 the sort takes two launches (sort_chunk_size): 64 programs count 512-entry chunks and

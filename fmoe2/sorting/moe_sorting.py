@@ -596,9 +596,11 @@ def sort_chunk_size(num_keys: int, num_entries: int) -> int:
     64, 6, 8192   28.1     25.4     17.9*    25.0
     ============  =======  =======  =======  =======
 
-    Chunks of 2048 took 26-52 us everywhere. Below 64 experts the chunks gained nothing: E=32
-    top-4 took 5.4 and 9.2 us in one launch at M=1024 and 4096, 5.3 and 9.8 in the best chunks;
-    Mixtral (E=8) 4.2 and 11.6 against 5.5 and 13.5.
+    Chunks of 2048 took 26-52 us everywhere. Below 64 experts the chunks gained at most 0.1 us:
+    E=32 top-4 took 5.4 and 9.2 us in one launch at M=1024 and 4096, 5.3 and 9.8 in the best
+    chunks; Mixtral (E=8) 4.2 and 11.6 against 5.5 and 13.5. (The sweep's ``auto`` column was
+    taken with an earlier draft of this rule, one launch up to ``2**20`` pairs and chunks of 512
+    or 1024; the choices starred here are read from the other columns.)
     """
     if num_keys < 64 or num_keys * num_entries <= 2 ** 19:
         return 0
@@ -634,7 +636,9 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     with ``lora_keys`` the sort keys are ``adapter * num_experts + expert`` (``num_loras *
     num_experts`` keys; ``result`` must be allocated for that many) and tokens without an adapter
     are dropped: the baseline's LoRA alignment. ``launch_dependents``: the next launch is a
-    programmatic dependent (``FusedMoEConfig.pdl``); the sort lets it be scheduled at once.
+    programmatic dependent (``FusedMoEConfig.pdl``); the sort lets it be scheduled at once, and a
+    chunked sort's second launch is then a programmatic dependent of its count launch too
+    (``launch_pdl``; its chunk and expert programs wait for the counts).
     ``num_parts``/``num_warps`` override :func:`sort_programs` (tests, ``fmoe2.bench.sort_settings``).
     """
     count_lora_tokens = result.num_lora_tokens is not None

@@ -17,10 +17,13 @@ BUFFERS = ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_token
 def sort_mode(request, monkeypatch):
     """Runs a test with each sort: the one launch, and the two-launch chunked sort in chunks of an
     eighth of the entries rounded up to a power of two (at least 16: several chunks, the last one
-    mostly partial) whatever ``sort_chunk_size`` would pick."""
+    mostly partial) whatever ``sort_chunk_size`` would pick, its programs reading the count table
+    in blocks of 64 counts (several blocks, as on a GPU at large batches)."""
     if request.param == "chunked":
-        monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "sort_chunk_size",
+        module = importlib.import_module("fmoe2.sorting.moe_sorting")
+        monkeypatch.setattr(module, "sort_chunk_size",
                             lambda num_keys, num_entries: max(16, triton.next_power_of_2(num_entries) // 8))
+        monkeypatch.setattr(module, "MAX_COUNT_TILE", 64)
     return request.param
 
 
@@ -356,8 +359,10 @@ def _routing(M, topk, E, seed):
     (64, 2, 9, 16, 32, torch.int64),  # chunks end where the entries do
     (50, 4, 130, 16, 64, torch.int32),  # more keys than a chunk has entries: table rows longer than a chunk
 ])
-def test_chunked_sort_equals_the_one_launch_sort(M, topk, E, block_m, chunk_size, id_dtype):
-    # Bit for bit, with the zeroing; the first launch's table holds each chunk's counts per expert.
+def test_chunked_sort_equals_the_one_launch_sort(M, topk, E, block_m, chunk_size, id_dtype, monkeypatch):
+    # Bit for bit, with the zeroing; the first launch's table holds each chunk's counts per expert. The
+    # programs read the table 2 rows at a time (at most 32 counts per load): several loads per program.
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "MAX_COUNT_TILE", 32)
     ids, w, _ = _routing(M, topk, E, M + E)
     ids_d, w_d = ids.to(DEVICE, id_dtype), w.to(DEVICE)
     one = MoESortingResult.allocate(M * topk, E, block_m, M, DEVICE, chunk_size=0)
