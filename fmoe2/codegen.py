@@ -243,13 +243,11 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
 
     def sort_reports(name, sorting, **lora_args):
         programs = {} if sorting.chunk_size else dict(num_parts=num_parts, num_warps=num_warps)
-        if sorting.chunk_size:
-            grid, args, constexprs, options = count_kernel_launch(topk_ids, E, None, sorting,
-                                                                  launch_dependents=pdl)
-            reports.append({"kernel": name + "_count", **common,
-                            **_compile(_count_chunk_keys_kernel, grid, args, constexprs, options, target)})
         grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
                                                                 launch_dependents=pdl, **lora_args, **programs)
+        if sorting.chunk_size:
+            reports.append({"kernel": name + "_count", **common,
+                            **_compile(_count_chunk_keys_kernel, *count_kernel_launch(args, constexprs), target)})
         reports.append({"kernel": name, **common, "chunk_size": sorting.chunk_size,
                         **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
 

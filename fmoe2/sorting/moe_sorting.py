@@ -715,32 +715,18 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     return grid, args, constexprs, options
 
 
-def count_kernel_launch(topk_ids, num_experts: int, expert_map, result: MoESortingResult, token_lora_ids=None,
-                        num_loras: int = 0, lora_keys: bool = False, launch_dependents: bool = False):
+def count_kernel_launch(args: dict, constexprs: dict):
     """Grid, arguments and constexprs of the chunked sort's first launch (``_count_chunk_keys_kernel``),
-    for a ``result`` allocated in chunked mode. ``launch_dependents``: the forward's launches are
-    programmatic dependents; the scatter launch then is one of the count launch too."""
-    M, topk = topk_ids.shape
-    num_chunks, key_block = result.chunk_key_counts.shape
-    args = dict(
-        topk_ids_ptr=topk_ids,
-        expert_map_ptr=expert_map if expert_map is not None else result.sorted_expert_ids,
-        token_lora_ids_ptr=token_lora_ids if lora_keys else result.sorted_expert_ids,
-        chunk_key_counts_ptr=result.chunk_key_counts,
-        num_entries=M * topk,
-        num_global_experts=expert_map.numel() if expert_map is not None else num_experts,
-        num_loras=num_loras,
-    )
-    constexprs = dict(
-        TOPK=topk,
-        NUM_EXPERTS=num_experts * num_loras if lora_keys else num_experts,
-        KEY_BLOCK=key_block,
-        CHUNK_SIZE=result.chunk_size,
-        HAS_EXPERT_MAP=expert_map is not None,
-        LORA_KEYS=lora_keys,
-        LAUNCH_DEPENDENTS=launch_dependents,
-    )
-    return (num_chunks,), args, constexprs, {"num_warps": CHUNKED_SORT_WARPS}
+    taken from those of its second (``sorting_kernel_launch`` on a result allocated in chunked
+    mode), so both launches key the routing alike. With ``LAUNCH_DEPENDENTS`` (the forward's
+    launches are programmatic dependents) the second launch is a programmatic dependent of it too."""
+    num_chunks = args["chunk_key_counts_ptr"].shape[0]
+    count_args = {name: args[name] for name in ("topk_ids_ptr", "expert_map_ptr", "token_lora_ids_ptr",
+                                                 "chunk_key_counts_ptr", "num_entries", "num_global_experts",
+                                                 "num_loras")}
+    count_constexprs = {name: constexprs[name] for name in ("TOPK", "NUM_EXPERTS", "KEY_BLOCK", "CHUNK_SIZE",
+                                                             "HAS_EXPERT_MAP", "LORA_KEYS", "LAUNCH_DEPENDENTS")}
+    return (num_chunks,), count_args, count_constexprs, {"num_warps": CHUNKED_SORT_WARPS}
 
 
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
@@ -755,8 +741,7 @@ def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, res
                                                             out, expanded_ids, token_lora_ids, num_loras, lora_keys,
                                                             num_parts, launch_dependents, num_warps)
     with on_device(topk_ids):
-        if result.chunk_key_counts is not None and result.chunk_key_counts.shape[0] > 0:
-            count_grid, count_args, count_constexprs, count_options = count_kernel_launch(
-                topk_ids, num_experts, expert_map, result, token_lora_ids, num_loras, lora_keys, launch_dependents)
+        if constexprs["CHUNKED"] and args["num_chunks"] > 0:
+            count_grid, count_args, count_constexprs, count_options = count_kernel_launch(args, constexprs)
             _count_chunk_keys_kernel[count_grid](**count_args, **count_constexprs, **count_options)
         _moe_sorting_kernel[grid](**args, **constexprs, **options)
