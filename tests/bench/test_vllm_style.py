@@ -79,3 +79,33 @@ def test_tma_and_pdl_twins(monkeypatch):
     assert best.tma and best.pdl  # the pdl twin is made of the best tma twin
     assert len([c for c, _ in results if c.tma]) == search_mod.TMA_TWINS + 1
     assert len([c for c, _ in results if c.pdl]) == 1
+
+
+def test_baseline_alignment_stays_one_kernel(monkeypatch):
+    # The issue's baseline aligns in one device kernel like vLLM's op: where fmoe2's rule would take the
+    # two-launch sort (forced here for every size), the baseline's plain and LoRA alignments do not.
+    import importlib
+
+    from fmoe2.bench import vllm_style, vllm_style_lora
+    from fmoe2.bench.vllm_style_lora import prepare_baseline_lora, vllm_style_fused_experts_lora
+    from helpers import make_lora, make_token_lora_ids
+
+    monkeypatch.setattr(importlib.import_module("fmoe2.sorting.moe_sorting"), "sort_chunk_size",
+                        lambda num_keys, num_entries: 16)
+    chunk_sizes = []
+
+    def recording(launch):
+        def wrapped(*args, **kwargs):
+            chunk_sizes.append(args[4].chunk_size)  # the MoESortingResult
+            return launch(*args, **kwargs)
+        return wrapped
+
+    for module in (vllm_style, vllm_style_lora):
+        monkeypatch.setattr(module, "launch_moe_sorting", recording(module.launch_moe_sorting))
+    M, E, H, I, topk = 9, 4, 32, 16, 2
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=1)
+    cfg = GroupedGemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+    vllm_style_fused_experts(x, w1, w2, tw, ti, cfg, cfg)
+    lora = prepare_baseline_lora(make_lora(2, E, H, I, 8, torch.float16, seed=1))
+    vllm_style_fused_experts_lora(x, w1, w2, tw, ti, lora, make_token_lora_ids(M, 2, seed=1), cfg, cfg)
+    assert chunk_sizes == [0, 0, 0]  # plain; LoRA run: its base alignment and its adapter-keyed one
