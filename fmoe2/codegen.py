@@ -55,6 +55,10 @@ TARGETS = {
 # Multiprocessors (compute units) of a GPU of each target, for the one-wave rule of fit_lora_config:
 # A100, H100/H200 SXM, B200, MI250X (one die), MI300X, MI355X.
 TARGET_MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132, "sm_100": 148, "gfx90a": 110, "gfx942": 304, "gfx950": 256}
+# Shared memory (LDS) one program may take on a GPU of each target, for the LoRA fit's pipeline stages:
+# A100 163 KiB, H100/H200 and B200 227 KiB; on ROCm the 64 KiB the defaults are held to (MI355X has more).
+TARGET_SHARED_MEMORY = {"sm_80": 166912, "sm_90": 232448, "sm_100": 232448, "gfx90a": 65536, "gfx942": 65536,
+                        "gfx950": 65536}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64"}
@@ -262,7 +266,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
         common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
         suffix = "_lora"
-        lora_config = fit_lora_config_to_problem(fused_config, M, E, inter, topk, TARGET_MULTIPROCESSORS[target_name])
+        lora_config = fit_lora_config_to_problem(fused_config, M, E, H, inter, topk, dtype,
+                                                 TARGET_MULTIPROCESSORS[target_name], backend,
+                                                 TARGET_SHARED_MEMORY[target_name])
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         sort_reports("moe_sorting_lora", sorting, token_lora_ids=problem.token_lora_ids, num_loras=num_loras)
         grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, lora_config, backend)

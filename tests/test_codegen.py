@@ -193,6 +193,23 @@ def test_sm80_two_stage_lora_kernels_take_their_own_launch_settings():
     assert (sm90[("lora_shrink13", 1024)]["num_warps"], sm90[("lora_shrink13", 1024)]["num_stages"]) == (4, 4)
 
 
+def test_fused_lora_kernels_fit_the_shared_memory_of_their_target():
+    # The LoRA loops' stages are fitted to the target's shared memory (fit_lora_config): on sm_80 the
+    # Qwen3 M=128 defaults (BLOCK_N=128 x BLOCK_K=128) with 3 LoRA stages took 204800 bytes, more than an
+    # A100 gives a program (166912), as did the 128-column slices M=16 takes with adapters. sm_90 keeps 3.
+    from fmoe2.codegen import TARGET_SHARED_MEMORY
+
+    for target, stages in (("sm_80", 2), ("sm_90", 3)):
+        reports = codegen(target, "qwen3-30b-a3b", "1,16,128", "--lora-rank", "16")
+        for M in (1, 16, 128):
+            rep = reports[("fused_moe_lora", M)]
+            assert rep["shared_memory_bytes"] <= TARGET_SHARED_MEMORY[target], rep
+            if M > 1:
+                assert (rep["config"]["BLOCK_N"], rep["config"]["lora_num_stages"]) == (128, stages), rep
+                # sm_90 (8 warps, like the H100 and H200 picks there): 8 spill instructions (Triton 3.9)
+                assert no_spills(rep) if target == "sm_80" else rep["spill_instructions"] <= MAX_LORA_SPILLS, rep
+
+
 SIGNATURE_CHECK = """
 import torch
 from fmoe2.codegen import _signature

@@ -266,3 +266,17 @@ def test_num_multiprocessors_reads_each_device():
         assert num_multiprocessors(f"cuda:{index}") == torch.cuda.get_device_properties(index).multi_processor_count
     current = torch.cuda.current_device()
     assert num_multiprocessors("cuda") == num_multiprocessors(None) == num_multiprocessors(f"cuda:{current}")
+
+
+def test_shared_memory_per_program_reads_each_device():
+    # What Triton checks a launch against (its driver's max_shared_mem): 232448 bytes on the H100/H200.
+    import triton
+
+    from fmoe2.multiprocessors import shared_memory_per_program
+
+    for index in range(torch.cuda.device_count()):
+        expected = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+        assert shared_memory_per_program(f"cuda:{index}") == expected
+        optin = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+        assert optin is None or optin == expected
+    assert shared_memory_per_program("cuda") == shared_memory_per_program(None)

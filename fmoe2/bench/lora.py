@@ -57,9 +57,34 @@ def make_adapters(num_loras, E, H, I, rank, gen, scaling=0.5):
 
 
 def make_token_lora_ids(M, num_loras, gen, none_fraction):
-    ids = torch.randint(0, num_loras, (M,), device="cuda", dtype=torch.int32, generator=gen)
-    ids[torch.rand(M, device="cuda", generator=gen) < none_fraction] = -1
+    """int32 ``[M]``: adapters uniform over the tokens, about ``none_fraction`` of them -1, and at
+    least one token with an adapter (at M=1 the one token may draw none, and a "mixed" batch would
+    then time no adapter work at all)."""
+    ids = torch.randint(0, num_loras, (M,), device=gen.device, dtype=torch.int32, generator=gen)
+    ids[torch.rand(M, device=gen.device, generator=gen) < none_fraction] = -1
+    if not bool((ids >= 0).any()):
+        ids[0] = 0
     return ids
+
+
+def weight_bytes_with_adapters(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts: int, H: int,
+                               I: int, rank: int, num_loras: int) -> float:
+    """Weight bytes a forward with adapters must read over those of the plain forward (>= 1).
+
+    ``topk_ids`` ``[M, topk]`` and ``token_lora_ids`` ``[M]`` (int; -1 or any id outside
+    ``[0, num_loras)`` = none). Every expert hit reads its base weights (``3 * H * I`` elements)
+    either way; every (adapter, expert) pair hit adds that adapter's A and B of gate, up and down
+    (``rank * (3 * H + 3 * I)`` elements, vLLM's layouts). Where the plain forward runs at the
+    memory floor this ratio is the lowest LoRA / plain any method can reach.
+    """
+    experts = topk_ids.long()
+    lora_ids = token_lora_ids.long()[:, None].expand_as(experts)
+    has = (lora_ids >= 0) & (lora_ids < num_loras) & (experts >= 0) & (experts < num_experts)
+    experts_hit = int(torch.unique(experts[(experts >= 0) & (experts < num_experts)]).numel())
+    pairs_hit = int(torch.unique(lora_ids[has] * num_experts + experts[has]).numel())
+    if experts_hit == 0:
+        return 1.0
+    return 1.0 + pairs_hit * rank * (3 * H + 3 * I) / (experts_hit * 3 * H * I)
 
 
 def _plain_baseline_configs(plain_dir, name, M):
@@ -105,7 +130,7 @@ def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_
         if do_search:
             cfg, _, _ = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), lambda c: run_fmoe2(c, ids_mixed),
                                f"{name} M={M} fmoe2 lora")
-            lora_cfg = fit_lora_config_to_problem(cfg, M, E, I, topk, num_multiprocessors())
+            lora_cfg = fit_lora_config_to_problem(cfg, M, E, H, I, topk, torch.bfloat16, num_multiprocessors())
         base_cfgs = _plain_baseline_configs(plain_dir, name, M)
         if base_cfgs is None:
             base_cfgs, _, _ = search(baseline_candidates(M, E, topk),
@@ -132,6 +157,7 @@ def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_
         row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, path=cfg.path, lora_path=lora_cfg.path, rank=rank,
                    num_loras=num_loras,
                    tokens_without_adapter=int((ids_mixed < 0).sum()), timing_rounds=TIMING_ROUNDS, **t,
+                   weight_bytes_lora_over_plain=weight_bytes_with_adapters(ti, ids_mixed, E, H, I, rank, num_loras),
                    lora_over_plain=t["lora_us"] / t["plain_us"], none_over_plain=t["lora_none_us"] / t["plain_us"],
                    one_over_plain=t["lora_one_us"] / t["plain_us"],
                    speedup_vs_baseline_lora=t["baseline_lora_us"] / t["lora_us"],
@@ -166,7 +192,10 @@ def write_lora_report(out_dir: str, device: str, plot_dir: str) -> str:
              "- plain = fmoe2 without adapters on the path `get_config` picks (path column); LoRA, none (adapters "
              "passed, every token -1) and one (a single adapter for all tokens) on the path `get_config(lora=True)` "
              "picks (LoRA path column), as `fused_moe` runs them; other path = mixed adapters on the path the LoRA "
-             "pick did not take, where the plain pick is two-stage"]
+             "pick did not take, where the plain pick is two-stage",
+             "- weight bytes, LoRA / plain: the base weights of the experts hit plus the adapters of every (adapter, "
+             "expert) pair the mixed batch hits, over the base weights alone (`weight_bytes_with_adapters`): where "
+             "the plain forward reads its weights at the memory floor, no LoRA method gets below this LoRA / plain"]
     if any("lora_path" not in r for run in runs for r in run["results"]):
         lines.append("- results from before `get_config(lora=True)` (2026-11-23) ran the LoRA columns on the plain "
                      "pick's path; their other path is the fused one")
@@ -177,18 +206,21 @@ def write_lora_report(out_dir: str, device: str, plot_dir: str) -> str:
                      f"{run['torch']}, Triton {run['triton']}, `{run['command']}`"
                      + (f", {rounds} interleaved rounds" if rounds > 1 else ""))
     lines += ["",
-              "| shape | M | path | plain (us) | LoRA path | LoRA (us) | LoRA / plain | none / plain | one / plain | "
+              "| shape | M | path | plain (us) | LoRA path | LoRA (us) | LoRA / plain | weight bytes, LoRA / plain | "
+              "none / plain | one / plain | "
               "LoRA, other path (us) | baseline (us) | baseline LoRA (us) | speedup vs baseline LoRA | "
               "rel. err fmoe2 / baseline |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         for r in run["results"]:
             # Results from before get_config(lora=True) ran LoRA on the plain path and timed the fused one beside it.
             other_us = r.get("lora_other_path_us", r.get("lora_fused_us"))
             other = f"{other_us:.1f}" if other_us is not None else "-"
             path = r.get("path", "fused")
+            nbytes = r.get("weight_bytes_lora_over_plain")  # results from before this column lack it
+            nbytes = f"{nbytes:.3f}x" if nbytes is not None else "-"
             lines.append(f"| {r['shape']} | {r['M']} | {path} | {r['plain_us']:.1f} | {r.get('lora_path', path)} | "
-                         f"{r['lora_us']:.1f} | {r['lora_over_plain']:.2f}x | {r['none_over_plain']:.3f}x | "
+                         f"{r['lora_us']:.1f} | {r['lora_over_plain']:.2f}x | {nbytes} | {r['none_over_plain']:.3f}x | "
                          f"{r['one_over_plain']:.2f}x | {other} | {r['baseline_us']:.1f} | {r['baseline_lora_us']:.1f} | "
                          f"{r['speedup_vs_baseline_lora']:.2f}x | {r['fmoe2_rel_err']:.1e} / {r['baseline_rel_err']:.1e} |")
     launches = [(r["shape"], r["M"], r["lora_launch_us"]) for run in runs for r in run["results"]

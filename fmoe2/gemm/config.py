@@ -34,7 +34,7 @@ import torch
 import triton
 
 from .._validation import interpreter_enabled
-from ..multiprocessors import num_multiprocessors
+from ..multiprocessors import DEFAULT_SHARED_MEMORY, num_multiprocessors, shared_memory_per_program
 from ..sorting import max_busy_tiles
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -60,6 +60,12 @@ MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused p
 # vs 270.3 us; two-stage ahead from M=16 (4): 1004.5 vs 973.7 us, M=128 (32) 1239.3 vs 1083.5 us. (With the
 # earlier one-kernel deltas, whose programs each walked the whole shrink, two-stage was behind up to M=16.)
 LORA_FUSED_MAX_TOKENS_PER_EXPERT = 1
+# With adapters, fused slices beyond one wave are at least this wide (fit_lora_config_to_problem). H200,
+# 2026-11-24, Qwen3-30B-A3B M=16 (plain pick BLOCK_N=64, 4 warps), rank 16, 4 adapters, 5 interleaved
+# rounds, mixed / every token -1 over plain: 1.358x / 1.096x with 64 columns (1.366x / 1.111x with 8
+# warps), 1.092x / 1.023x with 128 columns (8 warps, 3 stages, what the widening gives).
+LORA_MIN_BLOCK_N = 128
+LORA_STACK_WIDTH = 128  # max stacked gate+up shrink columns (LORA_SLOTS * 2 * padded rank), see lora_constexprs
 
 
 @dataclass(frozen=True)
@@ -179,17 +185,43 @@ def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: 
     return max_busy_tiles(M * topk, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N) <= num_sms
 
 
-def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int,
-                               num_sms: int) -> FusedMoEConfig:
-    """:func:`fit_lora_config` for a problem's grid on ``num_sms`` multiprocessors."""
-    return fit_lora_config(cfg, fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms))
+def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
+                               num_sms: int, backend: Optional[str] = None,
+                               shared_memory: int = DEFAULT_SHARED_MEMORY) -> FusedMoEConfig:
+    """:func:`fit_lora_config` for a problem's grid on ``num_sms`` multiprocessors with
+    ``shared_memory`` bytes per program.
+
+    A fused config whose grid is beyond one wave first gets slices of at least
+    ``LORA_MIN_BLOCK_N`` columns (:func:`fit_config`'s widening; ``backend`` as there): every
+    slice program of a tile reads the tile's gate/up A over all of H (``2R x H`` per adapter)
+    whatever its width, so narrow slices multiply that traffic.
+    """
+    if cfg.path == "fused" and cfg.BLOCK_N < LORA_MIN_BLOCK_N and \
+            not fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms):
+        cfg = fit_config(cfg, H, I, topk, dtype, backend=backend, min_block_n=LORA_MIN_BLOCK_N)
+    return fit_lora_config(cfg, fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms), shared_memory,
+                           dtype.itemsize)
 
 
-def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool) -> FusedMoEConfig:
+def lora_loop_shared_bytes(cfg: FusedMoEConfig, lora_num_stages: int, element_bytes: int = 2) -> int:
+    """Shared memory of the fused kernel's gate/up loop with adapter work: ``lora_num_stages - 1``
+    buffers of the x tile, the gate/up weight tile and the widest stack of adapter A rows
+    (``LORA_STACK_WIDTH``), each BLOCK_K wide. (sm_80 and sm_90 reports of ``fmoe2.codegen``:
+    135168 bytes at BLOCK_N=64 x BLOCK_K=128 with 4 stages and one adapter slot, 204800 at
+    128 x 128 with 3 stages and 4 slots; this counts the widest stack, so 208896 and 204800.)"""
+    rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N + LORA_STACK_WIDTH
+    return (lora_num_stages - 1) * rows * cfg.BLOCK_K * element_bytes
+
+
+def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DEFAULT_SHARED_MEMORY,
+                    element_bytes: int = 2) -> FusedMoEConfig:
     """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
     ``one_wave``: the grid holds at most one program per multiprocessor
-    (:func:`fused_grid_fits_one_wave`). Two-stage configs come back unchanged: their loops carry
+    (:func:`fused_grid_fits_one_wave`). ``shared_memory``: bytes one program may take (the A100's
+    163 KiB did not hold 3 stages at BLOCK_N=128 x BLOCK_K=128, 204800 bytes; the LoRA loops then
+    get fewer stages, :func:`lora_loop_shared_bytes`); ``element_bytes``: of the input dtype.
+    Two-stage configs come back unchanged: their loops carry
     no adapter work (the deltas come from ``_lora_shrink_kernel`` and ``_lora_expand_kernel``,
     see ``fmoe2/gemm/lora_kernel.py``).
 
@@ -227,16 +259,22 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool) -> FusedMoEConfig:
     while cfg.BLOCK_M >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:
         block_k //= 2
     four_lora_stages = one_wave and cfg.BLOCK_M == 16 and 2 * cfg.BLOCK_N * block_k <= 16384
-    return replace(cfg, BLOCK_K=block_k, num_warps=num_warps,
-                   lora_num_stages=min(cfg.lora_num_stages or cfg.num_stages, 4 if four_lora_stages else 3))
+    fitted = replace(cfg, BLOCK_K=block_k, num_warps=num_warps,
+                     lora_num_stages=min(cfg.lora_num_stages or cfg.num_stages, 4 if four_lora_stages else 3))
+    while fitted.lora_num_stages > 2 and lora_loop_shared_bytes(fitted, fitted.lora_num_stages,
+                                                                element_bytes) > shared_memory:
+        fitted = replace(fitted, lora_num_stages=fitted.lora_num_stages - 1)
+    return fitted
 
 
 def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",
-               backend: Optional[str] = None) -> FusedMoEConfig:
+               backend: Optional[str] = None, min_block_n: int = 16) -> FusedMoEConfig:
     """Clamps a config to the problem (see the module docstring); every config used goes through here.
 
     ``path`` ("fused"/"two_stage") switches the config's path first; "auto" keeps it. ``backend``
     ("cuda"/"hip", default: this machine's) sets the shared-memory budget of widened configs.
+    ``min_block_n``: a fused config's slices are widened to at least this many columns (within
+    ``next_pow2(I)``), with the same budgets as the atomic-add cap's widening.
     """
     backend = backend or current_backend()
     if path not in ("auto", cfg.path):
@@ -246,8 +284,10 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
 
     block_m, block_n, block_k, block_h = cfg.BLOCK_M, cap(cfg.BLOCK_N, I), cfg.BLOCK_K, cfg.BLOCK_H
     num_warps, num_stages = cfg.num_warps, cfg.num_stages
-    if dtype in (torch.bfloat16, torch.float16) and cfg.path == "fused":
-        while topk * triton.cdiv(I, block_n) > MAX_ATOMIC_ADDS and block_n < min(MAX_BLOCK_N, triton.next_power_of_2(I)):
+    if cfg.path == "fused":
+        capped = dtype in (torch.bfloat16, torch.float16)  # 16-bit outputs round every atomic add
+        while ((capped and topk * triton.cdiv(I, block_n) > MAX_ATOMIC_ADDS) or block_n < min_block_n) and \
+                block_n < min(MAX_BLOCK_N, triton.next_power_of_2(I)):
             block_n *= 2
         if block_n > cfg.BLOCK_N:
             # Keep the widened weight tiles' shared memory and the accumulator's registers in budget.
@@ -308,7 +348,8 @@ def get_config(
         return cfg
     if path == "auto" and cfg.path == "two_stage" and M * topk / E <= LORA_FUSED_MAX_TOKENS_PER_EXPERT:
         cfg = fit_config(cfg, H, I, topk, dtype, "fused", backend)
-    return fit_lora_config_to_problem(cfg, M, E, I, topk, num_multiprocessors(device))
+    return fit_lora_config_to_problem(cfg, M, E, H, I, topk, dtype, num_multiprocessors(device), backend,
+                                      shared_memory_per_program(device))
 
 
 def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:

@@ -15,8 +15,9 @@ from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_sa
                            interpreter_enabled, on_device)
 from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from ..multiprocessors import num_multiprocessors
-from .config import PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config_to_problem, get_config
+from ..multiprocessors import num_multiprocessors, shared_memory_per_program
+from .config import (LORA_STACK_WIDTH, PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config_to_problem,
+                     get_config)
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
@@ -241,7 +242,6 @@ def _pdl_option(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-LORA_STACK_WIDTH = 128  # max stacked gate+up shrink columns (LORA_SLOTS * 2 * padded rank)
 
 
 def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts: int) -> dict:
@@ -533,8 +533,10 @@ def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "a
     config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path)
     if problem.lora is None:
         return config
-    return fit_lora_config_to_problem(config, problem.x.shape[0], problem.num_experts, problem.intermediate_size,
-                                      problem.topk, num_multiprocessors(problem.x.device))
+    return fit_lora_config_to_problem(config, problem.x.shape[0], problem.num_experts, problem.hidden_size,
+                                      problem.intermediate_size, problem.topk, problem.x.dtype,
+                                      num_multiprocessors(problem.x.device),
+                                      shared_memory=shared_memory_per_program(problem.x.device))
 
 
 def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids, activation: str, out: torch.Tensor,

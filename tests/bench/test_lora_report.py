@@ -59,3 +59,42 @@ def test_time_interleaved_takes_turns_and_keeps_the_median(monkeypatch):
     got = timing.time_interleaved({name: (lambda name=name: calls.append(name) or next(fake[name]))
                                    for name in ("a", "b")}, rounds=3)
     assert calls == ["a", "b"] * 3 and got == {"a": 3.0, "b": 4.0}
+
+
+def test_weight_bytes_with_adapters_counts_the_adapter_expert_pairs_hit():
+    import torch
+
+    from fmoe2.bench.lora import weight_bytes_with_adapters
+
+    H, I, rank = 64, 32, 4
+    per_pair = rank * (3 * H + 3 * I) / (3 * H * I)
+    topk_ids = torch.tensor([[0, 1], [1, 2], [0, 1], [3, 2]])
+    # Pairs hit: (0,0), (0,1) from tokens 0 and 2 (counted once), (1,1), (1,2); token 3 has none (-1), and
+    # an id >= num_loras is none too. Experts hit: 0, 1, 2, 3.
+    lora_ids = torch.tensor([0, 1, 0, -1])
+    assert abs(weight_bytes_with_adapters(topk_ids, lora_ids, 4, H, I, rank, 2) - (1 + 4 * per_pair / 4)) < 1e-12
+    assert weight_bytes_with_adapters(topk_ids, torch.tensor([5, 5, 5, 5]), 4, H, I, rank, 2) == 1.0
+    assert weight_bytes_with_adapters(topk_ids, torch.full((4,), -1), 4, H, I, rank, 2) == 1.0
+    one = torch.zeros(4, dtype=torch.int32)  # one adapter for every token: one pair per expert hit
+    assert abs(weight_bytes_with_adapters(topk_ids, one, 4, H, I, rank, 2) - (1 + per_pair)) < 1e-12
+    # Experts outside [0, E) (another rank's, with expert_map) read nothing.
+    assert abs(weight_bytes_with_adapters(torch.tensor([[0, 7]]), torch.tensor([0]), 4, H, I, rank, 1)
+               - (1 + per_pair)) < 1e-12
+
+
+def test_lora_report_shows_the_weight_bytes_ratio_where_measured(tmp_path):
+    md = _write(tmp_path, "GPU", [_row(1, "fused", lora_path="fused", weight_bytes_lora_over_plain=1.0286),
+                                  _row(16, "fused", lora_path="fused")])
+    assert "| tiny | 1 | fused | 100.0 | fused | 110.0 | 1.10x | 1.029x | 1.010x |" in md
+    assert "| tiny | 16 | fused | 100.0 | fused | 110.0 | 1.10x | - | 1.010x |" in md
+
+
+def test_benchmark_adapter_ids_give_at_least_one_token_an_adapter():
+    import torch
+
+    from fmoe2.bench.lora import make_token_lora_ids
+
+    gen = torch.Generator().manual_seed(0)
+    assert make_token_lora_ids(5, 4, gen, none_fraction=1.0).tolist() == [0, -1, -1, -1, -1]
+    ids = make_token_lora_ids(4096, 4, gen, none_fraction=0.2)
+    assert ids.dtype == torch.int32 and 0.15 < float((ids < 0).float().mean()) < 0.25 and int(ids.max()) == 3

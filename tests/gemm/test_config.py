@@ -231,6 +231,70 @@ def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
         assert (given.num_warps, given.lora_num_stages) == expected, M
 
 
+def test_fit_lora_config_keeps_the_lora_loops_within_shared_memory():
+    from fmoe2.gemm.config import fit_lora_config, lora_loop_shared_bytes
+    from fmoe2.multiprocessors import DEFAULT_SHARED_MEMORY, shared_memory_per_program
+
+    assert shared_memory_per_program(torch.device("cpu")) == DEFAULT_SHARED_MEMORY == 232448  # the H100/H200's
+
+    wide = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_warps=8, num_stages=3)
+    assert lora_loop_shared_bytes(wide, 3) == 204800  # what sm_80 and sm_90 reported with 4 adapter slots
+    assert fit_lora_config(wide, False).lora_num_stages == 3  # 227 KiB (H100/H200, the default)
+    a100 = fit_lora_config(wide, False, shared_memory=166912)
+    assert a100.lora_num_stages == 2 and a100.num_stages == 3  # the plain loops keep theirs
+    assert fit_lora_config(a100, False, shared_memory=166912) == a100
+    assert fit_lora_config(wide, False, shared_memory=166912, element_bytes=4).lora_num_stages == 2
+    assert fit_lora_config(wide, False, shared_memory=1024).lora_num_stages == 2  # never below 2
+    narrow = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_warps=4, num_stages=4)
+    assert fit_lora_config(narrow, True).lora_num_stages == 4  # 208896 bytes
+    assert fit_lora_config(narrow, True, shared_memory=166912).lora_num_stages == 3
+
+
+def test_lora_fit_widens_narrow_fused_slices_beyond_one_wave(tmp_path):
+    # Every slice program of a tile reads the tile's gate/up A over all of H: with adapters, fused slices
+    # beyond one wave are LORA_MIN_BLOCK_N wide (H200 Qwen3 M=16: 64 columns ran mixed adapters 1.36x of
+    # the plain forward, 128 columns 1.09x). Within one wave (Qwen3 M=1: 8 tiles x 12 slices of 64) they stay.
+    from fmoe2.codegen import _meta_lora
+    from fmoe2.gemm.config import LORA_MIN_BLOCK_N, fit_lora_config_to_problem
+    from fmoe2.gemm.fused_moe import MoEProblem, fit_given_config
+
+    E, H, I, topk = 128, 2048, 768, 8
+    narrow = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_warps=4, num_stages=4, tma=True)
+    fit = lambda cfg, M, inter=I, dtype=torch.bfloat16, backend="cuda": fit_lora_config_to_problem(
+        cfg, M, E, H, inter, topk, dtype, 132, backend)
+    decode = fit(narrow, 1)
+    assert decode.BLOCK_N == 64 and decode.num_warps == 4 and decode.lora_num_stages == 4
+    batch = fit(narrow, 16)
+    # Widened like the atomic-add cap widens: weight tile 2 x 128 x 128 = 32768 elements, 3 stages on CUDA
+    # (4 would take 4 x 64 KB), 8 warps to hold it (and fit_lora_config's rule beyond one wave).
+    assert LORA_MIN_BLOCK_N == 128
+    assert (batch.BLOCK_N, batch.BLOCK_K, batch.BLOCK_H, batch.num_stages, batch.num_warps, batch.lora_num_stages,
+            batch.tma, batch.BLOCK_M) == (128, 128, 128, 3, 8, 3, True, 16)
+    assert fit(batch, 16) == batch  # idempotent (fused_moe fits a given config again)
+    hip = fit(narrow, 16, backend="hip")  # 64 KiB of LDS: 2 stages of a 16384-element tile
+    assert (hip.BLOCK_N, hip.num_stages, hip.BLOCK_K) == (128, 2, 64)
+    assert fit(narrow, 16, inter=40).BLOCK_N == 64  # never wider than next_pow2(I)
+    assert fit(narrow, 16, dtype=torch.float32).BLOCK_N == 128  # fp32 outputs too (no atomic-add cap there)
+    assert fit(replace(narrow, BLOCK_N=256), 16).BLOCK_N == 256  # wide picks unchanged
+    two = replace(narrow, path="two_stage")
+    assert fit(two, 16) == two  # two-stage loops carry no adapter work
+    # The pick and a caller's config get the same fit.
+    d = tmp_path / device_config_name(torch.device("cpu"))
+    d.mkdir()
+    (d / shape_file_name(E, H, I, topk, torch.bfloat16)).write_text(json.dumps({"16": narrow.to_dict()}))
+    for M in (1, 16):
+        pick = get_config(M, E, H, I, topk, torch.bfloat16, device=torch.device("cpu"), config_dir=str(tmp_path),
+                          lora=True)
+        assert pick.BLOCK_N == (64 if M == 1 else 128), M
+        assert get_config(M, E, H, I, topk, torch.bfloat16, device=torch.device("cpu"),
+                          config_dir=str(tmp_path)).BLOCK_N == 64  # the plain pick keeps its slices
+        meta = dict(device="meta", dtype=torch.bfloat16)
+        problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta),
+                             False, E, H, I, topk)
+        problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
+        assert fit_given_config(narrow, problem) == pick, M
+
+
 def test_codegen_knows_the_multiprocessors_of_every_target():
     from fmoe2.codegen import TARGET_MULTIPROCESSORS, TARGETS
 
