@@ -56,9 +56,9 @@ TARGETS = {
 # A100, H100/H200 SXM, B200, MI250X (one die), MI300X, MI355X.
 TARGET_MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132, "sm_100": 148, "gfx90a": 110, "gfx942": 304, "gfx950": 256}
 # Shared memory (LDS) one program may take on a GPU of each target, for the LoRA fit's pipeline stages:
-# A100 163 KiB, H100/H200 and B200 227 KiB; on ROCm the 64 KiB the defaults are held to (MI355X has more).
+# A100 163 KiB, H100/H200 and B200 227 KiB, MI250X/MI300X 64 KiB, MI355X 160 KiB.
 TARGET_SHARED_MEMORY = {"sm_80": 166912, "sm_90": 232448, "sm_100": 232448, "gfx90a": 65536, "gfx942": 65536,
-                        "gfx950": 65536}
+                        "gfx950": 163840}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64"}

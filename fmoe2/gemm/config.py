@@ -203,14 +203,16 @@ def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: i
                            dtype.itemsize)
 
 
-def lora_loop_shared_bytes(cfg: FusedMoEConfig, lora_num_stages: int, element_bytes: int = 2) -> int:
-    """Shared memory of the fused kernel's gate/up loop with adapter work: ``lora_num_stages - 1``
-    buffers of the x tile, the gate/up weight tile and the widest stack of adapter A rows
-    (``LORA_STACK_WIDTH``), each BLOCK_K wide. (sm_80 and sm_90 reports of ``fmoe2.codegen``:
-    135168 bytes at BLOCK_N=64 x BLOCK_K=128 with 4 stages and one adapter slot, 204800 at
-    128 x 128 with 3 stages and 4 slots; this counts the widest stack, so 208896 and 204800.)"""
-    rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N + LORA_STACK_WIDTH
-    return (lora_num_stages - 1) * rows * cfg.BLOCK_K * element_bytes
+def gate_up_loop_shared_bytes(cfg: FusedMoEConfig, stages: int, element_bytes: int = 2, lora: bool = True) -> int:
+    """Shared memory of a gate/up loop of the fused kernel: ``stages - 1`` buffers of the x tile,
+    the gate/up weight tile and, with ``lora`` (the loop carrying adapter work), the widest stack
+    of adapter A rows (``LORA_STACK_WIDTH``), each BLOCK_K wide. The kernel takes the larger of
+    its two loops. (sm_80 and sm_90 reports of ``fmoe2.codegen``: 110592 bytes for the plain loop
+    at BLOCK_N=64 x BLOCK_K=128 with 4 stages; with adapters 135168 there with one adapter slot,
+    204800 at 128 x 128 with 3 stages and 4 slots; this counts the widest stack, so 208896 and
+    204800.)"""
+    rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N + (LORA_STACK_WIDTH if lora else 0)
+    return (stages - 1) * rows * cfg.BLOCK_K * element_bytes
 
 
 def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DEFAULT_SHARED_MEMORY,
@@ -218,9 +220,11 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DE
     """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
     ``one_wave``: the grid holds at most one program per multiprocessor
-    (:func:`fused_grid_fits_one_wave`). ``shared_memory``: bytes one program may take (the A100's
-    163 KiB did not hold 3 stages at BLOCK_N=128 x BLOCK_K=128, 204800 bytes; the LoRA loops then
-    get fewer stages, :func:`lora_loop_shared_bytes`); ``element_bytes``: of the input dtype.
+    (:func:`fused_grid_fits_one_wave`). ``shared_memory``: bytes one program may take. The LoRA
+    loops' stages come down first, then the plain loops', to 2 each, then BLOCK_K is halved, until
+    both loops fit (:func:`gate_up_loop_shared_bytes`): the A100's 163 KiB did not hold 3 LoRA
+    stages at BLOCK_N=128 x BLOCK_K=128 (204800 bytes), nor fp32 inputs 3 plain stages there on the
+    H100 (278528 bytes). ``element_bytes``: of the input dtype.
     Two-stage configs come back unchanged: their loops carry
     no adapter work (the deltas come from ``_lora_shrink_kernel`` and ``_lora_expand_kernel``,
     see ``fmoe2/gemm/lora_kernel.py``).
@@ -261,10 +265,17 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DE
     four_lora_stages = one_wave and cfg.BLOCK_M == 16 and 2 * cfg.BLOCK_N * block_k <= 16384
     fitted = replace(cfg, BLOCK_K=block_k, num_warps=num_warps,
                      lora_num_stages=min(cfg.lora_num_stages or cfg.num_stages, 4 if four_lora_stages else 3))
-    while fitted.lora_num_stages > 2 and lora_loop_shared_bytes(fitted, fitted.lora_num_stages,
-                                                                element_bytes) > shared_memory:
-        fitted = replace(fitted, lora_num_stages=fitted.lora_num_stages - 1)
-    return fitted
+    while True:
+        lora_bytes = gate_up_loop_shared_bytes(fitted, fitted.lora_num_stages, element_bytes)
+        plain_bytes = gate_up_loop_shared_bytes(fitted, fitted.num_stages, element_bytes, lora=False)
+        if lora_bytes > shared_memory and fitted.lora_num_stages > 2:
+            fitted = replace(fitted, lora_num_stages=fitted.lora_num_stages - 1)
+        elif plain_bytes > shared_memory and fitted.num_stages > 2:
+            fitted = replace(fitted, num_stages=fitted.num_stages - 1)
+        elif max(lora_bytes, plain_bytes) > shared_memory and fitted.BLOCK_K > 16:
+            fitted = replace(fitted, BLOCK_K=fitted.BLOCK_K // 2)
+        else:
+            return fitted
 
 
 def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",

@@ -242,8 +242,6 @@ def _pdl_option(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-
-
 def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts: int) -> dict:
     """LORA_RANK, LORA_IDS and LORA_SLOTS for ``num_rows`` = M*topk routed rows.
 

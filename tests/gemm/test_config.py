@@ -232,19 +232,27 @@ def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
 
 
 def test_fit_lora_config_keeps_the_lora_loops_within_shared_memory():
-    from fmoe2.gemm.config import fit_lora_config, lora_loop_shared_bytes
+    from fmoe2.gemm.config import fit_lora_config, gate_up_loop_shared_bytes
     from fmoe2.multiprocessors import DEFAULT_SHARED_MEMORY, shared_memory_per_program
 
     assert shared_memory_per_program(torch.device("cpu")) == DEFAULT_SHARED_MEMORY == 232448  # the H100/H200's
 
     wide = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_warps=8, num_stages=3)
-    assert lora_loop_shared_bytes(wide, 3) == 204800  # what sm_80 and sm_90 reported with 4 adapter slots
+    assert gate_up_loop_shared_bytes(wide, 3) == 204800  # what sm_80 and sm_90 reported with 4 adapter slots
+    assert gate_up_loop_shared_bytes(wide, 3, lora=False) == 139264  # the plain loop (sm_80 report)
     assert fit_lora_config(wide, False).lora_num_stages == 3  # 227 KiB (H100/H200, the default)
     a100 = fit_lora_config(wide, False, shared_memory=166912)
     assert a100.lora_num_stages == 2 and a100.num_stages == 3  # the plain loops keep theirs
     assert fit_lora_config(a100, False, shared_memory=166912) == a100
-    assert fit_lora_config(wide, False, shared_memory=166912, element_bytes=4).lora_num_stages == 2
-    assert fit_lora_config(wide, False, shared_memory=1024).lora_num_stages == 2  # never below 2
+    # fp32 inputs on the H100: the plain loop's 3 stages took 278528 bytes; both loops get 2 (204800 for the LoRA one).
+    fp32 = fit_lora_config(wide, False, element_bytes=4)
+    assert (fp32.num_stages, fp32.lora_num_stages, fp32.BLOCK_K) == (2, 2, 128)
+    assert fit_lora_config(fp32, False, element_bytes=4) == fp32
+    # Past 2 stages each, BLOCK_K is halved: on sm_80 fp32 needs 102400 bytes per K of 64.
+    a100_fp32 = fit_lora_config(wide, False, shared_memory=166912, element_bytes=4)
+    assert (a100_fp32.num_stages, a100_fp32.lora_num_stages, a100_fp32.BLOCK_K) == (2, 2, 64)
+    tiny = fit_lora_config(wide, False, shared_memory=1024)
+    assert (tiny.num_stages, tiny.lora_num_stages, tiny.BLOCK_K) == (2, 2, 16)  # never below 2 stages and 16
     narrow = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_warps=4, num_stages=4)
     assert fit_lora_config(narrow, True).lora_num_stages == 4  # 208896 bytes
     assert fit_lora_config(narrow, True, shared_memory=166912).lora_num_stages == 3
@@ -274,7 +282,8 @@ def test_lora_fit_widens_narrow_fused_slices_beyond_one_wave(tmp_path):
     hip = fit(narrow, 16, backend="hip")  # 64 KiB of LDS: 2 stages of a 16384-element tile
     assert (hip.BLOCK_N, hip.num_stages, hip.BLOCK_K) == (128, 2, 64)
     assert fit(narrow, 16, inter=40).BLOCK_N == 64  # never wider than next_pow2(I)
-    assert fit(narrow, 16, dtype=torch.float32).BLOCK_N == 128  # fp32 outputs too (no atomic-add cap there)
+    fp32 = fit(narrow, 16, dtype=torch.float32)  # fp32 outputs too (no atomic-add cap there), within 227 KiB
+    assert (fp32.BLOCK_N, fp32.num_stages, fp32.lora_num_stages) == (128, 2, 2)
     assert fit(replace(narrow, BLOCK_N=256), 16).BLOCK_N == 256  # wide picks unchanged
     two = replace(narrow, path="two_stage")
     assert fit(two, 16) == two  # two-stage loops carry no adapter work
