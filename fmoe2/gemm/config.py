@@ -196,11 +196,11 @@ def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: i
     slice program of a tile reads the tile's gate/up A over all of H (``2R x H`` per adapter)
     whatever its width, so narrow slices multiply that traffic.
     """
-    if cfg.path == "fused" and cfg.BLOCK_N < LORA_MIN_BLOCK_N and \
-            not fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms):
+    one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)
+    if cfg.path == "fused" and cfg.BLOCK_N < LORA_MIN_BLOCK_N and not one_wave:
         cfg = fit_config(cfg, H, I, topk, dtype, backend=backend, min_block_n=LORA_MIN_BLOCK_N)
-    return fit_lora_config(cfg, fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms), shared_memory,
-                           dtype.itemsize)
+        one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)  # fewer, wider slices
+    return fit_lora_config(cfg, one_wave, shared_memory, dtype.itemsize)
 
 
 def gate_up_loop_shared_bytes(cfg: FusedMoEConfig, stages: int, element_bytes: int = 2, lora: bool = True) -> int:

@@ -305,6 +305,7 @@ def test_lora_fit_widens_narrow_fused_slices_beyond_one_wave(tmp_path):
 
 
 def test_codegen_knows_the_multiprocessors_of_every_target():
-    from fmoe2.codegen import TARGET_MULTIPROCESSORS, TARGETS
+    from fmoe2.codegen import TARGET_MULTIPROCESSORS, TARGET_SHARED_MEMORY, TARGETS
 
     assert set(TARGET_MULTIPROCESSORS) == set(TARGETS)
+    assert set(TARGET_SHARED_MEMORY) == set(TARGETS)  # the LoRA fit's shared memory per target
