@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm.config import fit_lora_config_to_problem, get_config
 from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_expand_launch,
-                             lora_shrink_launch, stage2_kernel_launch)
+                             deltas_in_stages, lora_shrink_launch, stage2_kernel_launch)
 from .gemm.fused_moe_kernel import _fused_moe_kernel
 from .gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from .gemm.layout import _round_up
@@ -211,7 +211,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     (the sort with its count of tokens with an adapter), ``fused_moe_lora`` (the fused path), and
     where the picked config is two-stage, ``lora_shrink13``, ``lora_expand13``,
     ``fused_moe_stage1_lora``, ``lora_shrink2``, ``lora_expand2`` and ``moe_stage2`` instead of the
-    plain stage 1.
+    plain stage 1 (where the stages compute the deltas, ``lora_in_stages``: ``fused_moe_stage1_lora``
+    and ``moe_stage2_lora`` only).
     ``tma`` compiles the configs with ``tma=True`` (weight tiles through tensor descriptors), ``pdl``
     with ``pdl=True`` (programmatic dependent launch).
     """
@@ -277,8 +278,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     if config.path == "two_stage":
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
                                             count_lora_tokens=problem.lora is not None)
-        workspace = TwoStageWorkspace.allocate(problem, sorting)
-        if problem.lora is not None:
+        in_stages = deltas_in_stages(problem, config)
+        workspace = TwoStageWorkspace.allocate(problem, sorting, config)
+        if problem.lora is not None and not in_stages:
             for down, part in ((False, "13"), (True, "2")):
                 for name, kernel, launch in (
                         ("lora_shrink", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down,
@@ -293,7 +295,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         reports.append({"kernel": "fused_moe_stage1" + suffix, **common, "config": config.to_dict(),
                         **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
         grid, args, constexprs, options = stage2_kernel_launch(problem, x, sorting, workspace, config, backend)
-        reports.append({"kernel": "moe_stage2", **common, "config": config.to_dict(),
+        reports.append({"kernel": "moe_stage2" + (suffix if in_stages else ""), **common, "config": config.to_dict(),
                         **_compile(_grouped_gemm_kernel, grid, args, constexprs, options, target)})
     return reports
 

@@ -195,7 +195,7 @@ def test_lora_bf16(shape, M, rank):
 
 
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
-@pytest.mark.parametrize("M", [16, 1024])
+@pytest.mark.parametrize("M", [1, 4, 16, 1024])  # two-stage M=1 (all shapes) and 4 (Mixtral): deltas in the stages
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_lora_bf16_each_path(shape, M, path):
     from helpers import make_lora, make_token_lora_ids
@@ -229,12 +229,11 @@ def test_lora_bf16_odd_sizes_some_experts_and_baseline(path):
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("path", ["fused", "two_stage"])
-def test_lora_cuda_graph_follows_new_adapter_ids(path, pdl):
+@pytest.mark.parametrize("path,M", [("fused", 64), ("two_stage", 64), ("two_stage", 8)])  # M=8: deltas in the stages
+def test_lora_cuda_graph_follows_new_adapter_ids(path, M, pdl):
     from helpers import make_lora, make_token_lora_ids
 
     E, H, I, topk = SHAPES["qwen3-30b-a3b"]
-    M = 64
     x, w1, w2, tw, ti = problem("qwen3-30b-a3b", M, torch.bfloat16, seed=21)
     prepared = prepare_weights(w1, w2)
     lora = fmoe2.prepare_lora(make_lora(4, E, H, I, 16, torch.bfloat16, device="cuda"))
@@ -255,6 +254,29 @@ def test_lora_cuda_graph_follows_new_adapter_ids(path, pdl):
         torch.cuda.synchronize()
         ref = reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
         assert rel_error(out, ref) <= REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_lora_bf16_deltas_in_the_stages_take_tensor_descriptors(M, tma):
+    # Mixtral decode on the two-stage path (the H100/H200 tuned picks), deltas in the stages; stage 2 in
+    # 2 shares of I. M=2: two tokens, each with its own adapter, both on expert 0 (a one-slot tile that
+    # mixes adapters takes a further pass in both stages).
+    from fmoe2.gemm.config import lora_in_stages
+    from helpers import make_lora
+
+    E, H, I, topk = SHAPES["mixtral-8x7b"]
+    x, w1, w2, tw, ti = problem("mixtral-8x7b", M, torch.bfloat16, seed=M + 40)
+    lora_ids = torch.arange(M, dtype=torch.int32, device="cuda") % 4
+    if M == 2:
+        ti = torch.tensor([[0, 1], [0, 2]], dtype=ti.dtype, device="cuda")
+    cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path="two_stage"), tma=tma, S2_SPLIT_K=2)
+    assert lora_in_stages(cfg, M, E, topk)
+    lora = fmoe2.prepare_lora(make_lora(4, E, H, I, 16, torch.bfloat16, device="cuda", seed=M))
+    out = fused_moe(x, prepare_weights(w1, w2), None, tw, ti, lora=lora, token_lora_ids=lora_ids, config=cfg,
+                    out=poisoned(M, H, torch.bfloat16, "cuda"))
+    err = rel_error(out, reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids))
+    assert torch.isfinite(out).all() and err <= REL_TOL[torch.bfloat16], f"M={M} tma={tma}: {err:.3e}"
 
 
 def test_num_multiprocessors_reads_each_device():

@@ -9,7 +9,8 @@ tokens, 20% of tokens without one), each variant runs the config ``fused_moe`` p
 * ``lora``: mixed adapters; ``lora_none``: the adapters passed but every token -1;
   ``lora_one``: one adapter for all tokens (base-weight traffic must not depend on the mix); all
   three on ``get_config(lora=True)``, the plain pick with its tiling fitted to the adapters' steps
-  and, at decode sizes, on the fused path where the plain pick is two-stage;
+  (on the two-stage path the deltas come from LoRA launches, or at decode sizes from the stages
+  themselves: ``lora_in_stages``);
 * ``lora_other_path``: where the plain pick is two-stage, mixed adapters on the path the LoRA pick
   did not take, to check that choice in the same run;
 * ``baseline`` / ``baseline_lora``: ``fmoe2/bench/vllm_style.py`` / ``vllm_style_lora.py``, base

@@ -54,12 +54,18 @@ PIPELINE_ELEMENTS = {"cuda": 3 * 32768, "hip": 2 * 16384}
 MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
-# With adapters, a two-stage pick runs on the fused path up to this many routed rows per expert (M*topk/E).
-# H100, 2026-11-23 (misc/bench/lora), rank 16, 4 adapters, Mixtral (tuned two-stage at every batch), mixed
-# adapters, fused vs two-stage with the split shrink/expand LoRA kernels: M=1 (0.25 rows per expert) 255.2
-# vs 270.3 us; two-stage ahead from M=16 (4): 1004.5 vs 973.7 us, M=128 (32) 1239.3 vs 1083.5 us. (With the
-# earlier one-kernel deltas, whose programs each walked the whole shrink, two-stage was behind up to M=16.)
-LORA_FUSED_MAX_TOKENS_PER_EXPERT = 1
+# With adapters, the two-stage path computes their deltas inside its two stages (no LoRA launches; the only
+# LoRA workspace holds stage 1's down shrinks) up to this many routed rows per expert (M*topk/E); beyond,
+# LoRA shrink and expand launches run before each stage (lora_in_stages). 2026-11-24, Mixtral (tuned
+# two-stage at every batch), rank 16, 4 adapters, 5 interleaved rounds, mixed adapters / every token -1
+# over the plain forward, in the stages against the launches. H100: M=1 (0.25 rows per expert) 1.043x /
+# 1.004x against 1.083x / 1.023x, M=2 1.022x / 0.999x against 1.054x / 1.013x, M=4 (1 row) 1.049x / 1.016x
+# against 1.049x / 1.014x, M=16 (4 rows) 1.037x / 1.013x against 1.037x / 1.005x, M=128 1.182x / 1.068x
+# against 1.087x / 1.007x. H200: M=1 1.046x / 0.995x against 1.121x / 1.027x, M=4 1.061x / 1.009x
+# against 1.076x / 1.016x. (Up to 1 row per expert these batches ran fused before: H100 M=1 1.031-1.07x /
+# 1.015-1.056x over three runs, M=4 1.124x / 1.107x, with 3x the relative error, 1.3e-2 against 3.9e-3,
+# from its 112 bf16 atomic adds per output element.)
+LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT = 1
 # With adapters, fused slices beyond one wave are at least this wide (fit_lora_config_to_problem). H200,
 # 2026-11-24, Qwen3-30B-A3B M=16 (plain pick BLOCK_N=64, 4 warps), rank 16, 4 adapters, 5 interleaved
 # rounds, mixed / every token -1 over plain: 1.358x / 1.096x with 64 columns (1.366x / 1.111x with 8
@@ -178,6 +184,15 @@ def _arch_key(device) -> Optional[str]:
     return arch.split(":")[0] or None
 
 
+def lora_in_stages(cfg: FusedMoEConfig, M: int, E: int, topk: int) -> bool:
+    """Whether a forward with adapters on ``cfg`` computes the adapter deltas inside the two stages of
+    the two-stage path (stage 1 the gate/up deltas in its K loop as the fused kernel does, stage 2
+    the down deltas in its own): up to ``LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT`` routed rows per
+    expert. Beyond it every stage-1 program's repeated shrink over H (and stage 2's over its share
+    of I) costs more than the LoRA shrink and expand launches of ``fmoe2/gemm/lora_kernel.py``."""
+    return cfg.path == "two_stage" and M * topk / E <= LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT
+
+
 def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:
     """Whether the fused kernel's grid, the most tiles any routing can fill (``max_busy_tiles``)
     times the I slices (``ceil(I / BLOCK_N)``), holds at most one program per multiprocessor. On
@@ -194,13 +209,20 @@ def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: i
     A fused config whose grid is beyond one wave first gets slices of at least
     ``LORA_MIN_BLOCK_N`` columns (:func:`fit_config`'s widening; ``backend`` as there): every
     slice program of a tile reads the tile's gate/up A over all of H (``2R x H`` per adapter)
-    whatever its width, so narrow slices multiply that traffic.
+    whatever its width, so narrow slices multiply that traffic. Where the two stages carry the
+    adapter work (:func:`lora_in_stages`) stage 1's slices are widened likewise (no atomic adds to
+    cap there), then fitted. H200, 2026-11-24, Mixtral M=1 (tuned stage 1: 64 columns), rank 16,
+    4 adapters, 5 interleaved rounds: stage 1 alone with mixed adapters 122.3 us with 64 columns,
+    113.8 with 128 (plain: 113.2).
     """
     one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)
+    in_stages = lora_in_stages(cfg, M, E, topk)
     if cfg.path == "fused" and cfg.BLOCK_N < LORA_MIN_BLOCK_N and not one_wave:
         cfg = fit_config(cfg, H, I, topk, dtype, backend=backend, min_block_n=LORA_MIN_BLOCK_N)
         one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)  # fewer, wider slices
-    return fit_lora_config(cfg, one_wave, shared_memory, dtype.itemsize)
+    elif in_stages and cfg.BLOCK_N < LORA_MIN_BLOCK_N:
+        cfg = replace(cfg, BLOCK_N=max(cfg.BLOCK_N, min(LORA_MIN_BLOCK_N, triton.next_power_of_2(I))))
+    return fit_lora_config(cfg, one_wave, shared_memory, dtype.itemsize, in_stages)
 
 
 def gate_up_loop_shared_bytes(cfg: FusedMoEConfig, stages: int, element_bytes: int = 2, lora: bool = True) -> int:
@@ -216,7 +238,7 @@ def gate_up_loop_shared_bytes(cfg: FusedMoEConfig, stages: int, element_bytes: i
 
 
 def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DEFAULT_SHARED_MEMORY,
-                    element_bytes: int = 2) -> FusedMoEConfig:
+                    element_bytes: int = 2, in_stages: bool = False) -> FusedMoEConfig:
     """Keeps a fused config free of (large) spills and within shared memory with the LoRA steps compiled in.
 
     ``one_wave``: the grid holds at most one program per multiprocessor
@@ -225,9 +247,10 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DE
     both loops fit (:func:`gate_up_loop_shared_bytes`): the A100's 163 KiB did not hold 3 LoRA
     stages at BLOCK_N=128 x BLOCK_K=128 (204800 bytes), nor fp32 inputs 3 plain stages there on the
     H100 (278528 bytes). ``element_bytes``: of the input dtype.
-    Two-stage configs come back unchanged: their loops carry
-    no adapter work (the deltas come from ``_lora_shrink_kernel`` and ``_lora_expand_kernel``,
-    see ``fmoe2/gemm/lora_kernel.py``).
+    Two-stage configs come back unchanged, unless ``in_stages`` (:func:`lora_in_stages`): their
+    loops carry no adapter work then (the deltas come from ``_lora_shrink_kernel`` and
+    ``_lora_expand_kernel``, see ``fmoe2/gemm/lora_kernel.py``). With ``in_stages`` stage 1's
+    loops are fitted to shared memory as above (stage 2's loop carries no adapter work either way).
 
     Tiles without adapters run the plain loops with the config's num_stages; only the loops that
     carry adapter work get ``lora_num_stages``. But warps and shared memory are the whole kernel's,
@@ -257,7 +280,11 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DE
       stages: 1.98x, though tiles without adapters then ran 1.15x instead of 1.34x).
     """
     if cfg.path != "fused":
-        return cfg
+        if not in_stages:
+            return cfg
+        stage1 = replace(cfg, lora_num_stages=cfg.lora_num_stages or cfg.num_stages)
+        fitted = _fit_gate_up_shared_memory(stage1, shared_memory, element_bytes)
+        return fitted if fitted != stage1 else cfg
     num_warps = 8 if cfg.num_warps < 8 and cfg.BLOCK_N >= 128 and not one_wave else cfg.num_warps
     block_k = cfg.BLOCK_K
     while cfg.BLOCK_M >= 64 and block_k > 16 and 2 * cfg.BLOCK_N * block_k > 16384:
@@ -265,6 +292,12 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DE
     four_lora_stages = one_wave and cfg.BLOCK_M == 16 and 2 * cfg.BLOCK_N * block_k <= 16384
     fitted = replace(cfg, BLOCK_K=block_k, num_warps=num_warps,
                      lora_num_stages=min(cfg.lora_num_stages or cfg.num_stages, 4 if four_lora_stages else 3))
+    return _fit_gate_up_shared_memory(fitted, shared_memory, element_bytes)
+
+
+def _fit_gate_up_shared_memory(fitted: FusedMoEConfig, shared_memory: int, element_bytes: int) -> FusedMoEConfig:
+    """LoRA stages, then the plain loops' stages down to 2, then BLOCK_K halved, until both gate/up
+    loops fit ``shared_memory`` (:func:`gate_up_loop_shared_bytes`)."""
     while True:
         lora_bytes = gate_up_loop_shared_bytes(fitted, fitted.lora_num_stages, element_bytes)
         plain_bytes = gate_up_loop_shared_bytes(fitted, fitted.num_stages, element_bytes, lora=False)
@@ -350,15 +383,12 @@ def get_config(
     ``fmoe2.codegen`` passes them to pick configs for a GPU that is not there. ``path`` ("fused"
     or "two_stage") forces a path; the picked tiling is then refitted to it. ``tuned=False``
     skips tuned files: the shipped defaults, as on a GPU without a tuned file for the shape.
-    ``lora=True``: the config for a forward with adapters, passed through :func:`fit_lora_config`;
-    with ``path="auto"`` a two-stage pick runs fused up to ``LORA_FUSED_MAX_TOKENS_PER_EXPERT``
-    routed rows per expert (there the two-stage path's four LoRA launches cost more than they save).
+    ``lora=True``: the config for a forward with adapters, on the plain pick's path, passed through
+    :func:`fit_lora_config_to_problem`.
     """
     cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned)
     if not lora:
         return cfg
-    if path == "auto" and cfg.path == "two_stage" and M * topk / E <= LORA_FUSED_MAX_TOKENS_PER_EXPERT:
-        cfg = fit_config(cfg, H, I, topk, dtype, "fused", backend)
     return fit_lora_config_to_problem(cfg, M, E, H, I, topk, dtype, num_multiprocessors(device), backend,
                                       shared_memory_per_program(device))
 

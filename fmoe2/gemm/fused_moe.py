@@ -1,6 +1,7 @@
 """Public ``fused_moe``: argument checks, config pick, then the launches: sort + fused kernel
 (fused path, zero workspace) or sort + stage 1 + stage 2 (two-stage path; with adapters, a LoRA
-shrink and expand run before stage 1 and again before stage 2)."""
+shrink and expand run before stage 1 and again before stage 2, except at decode sizes, where the
+stages compute the deltas themselves)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +18,7 @@ from ..reference import ACTIVATIONS
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
 from ..multiprocessors import num_multiprocessors, shared_memory_per_program
 from .config import (LORA_STACK_WIDTH, PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config_to_problem,
-                     get_config)
+                     get_config, lora_in_stages)
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
 from .layout import PreparedMoEWeights
@@ -140,20 +141,27 @@ class TwoStageWorkspace:
     y: torch.Tensor
     # With adapters: partial shrinks [splits, rows, 2R] / [splits, rows, R] float32 (R the padded rank)
     # of the gate/up and the down deltas, and the gate/up deltas [rows, 2I] (input dtype, gate then up);
-    # only rows with an adapter are written and read.
+    # only rows with an adapter are written and read. Where the stages compute the deltas
+    # (deltas_in_stages) only lora_shrink2, one split per I slice of stage 1.
     lora_shrink13: Optional[torch.Tensor] = None
     lora_shrink2: Optional[torch.Tensor] = None
     lora_delta13: Optional[torch.Tensor] = None
 
     @classmethod
-    def allocate(cls, problem: MoEProblem, sorting: MoESortingResult) -> "TwoStageWorkspace":
+    def allocate(cls, problem: MoEProblem, sorting: MoESortingResult,
+                 config: Optional[FusedMoEConfig] = None) -> "TwoStageWorkspace":
+        """With adapters, the buffers of the LoRA shrink and expand launches, or with a ``config``
+        whose stages compute the deltas (:func:`deltas_in_stages`) those of the down shrinks."""
         rows = grid_tiles(problem, sorting) * sorting.block_m
         x = problem.x
         # Row stride padded to 16 bytes so stage 2 can read y through a tensor descriptor.
         inter = problem.intermediate_size
         y = torch.empty(rows, -(-inter // 8) * 8, dtype=x.dtype, device=x.device)[:, :inter]
         ws = cls(y=y)
-        if problem.lora is not None:
+        if config is not None and deltas_in_stages(problem, config):
+            ws.lora_shrink2 = torch.empty(triton.cdiv(inter, config.BLOCK_N), rows, problem.lora.padded_rank,
+                                          dtype=torch.float32, device=x.device)
+        elif problem.lora is not None:
             tiles, R = grid_tiles(problem, sorting), problem.lora.padded_rank
             for name, K, parts in (("lora_shrink13", problem.hidden_size, 2), ("lora_shrink2", inter, 1)):
                 splits = lora_shrink_splits(tiles, K, x.device)
@@ -205,6 +213,8 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     """
     y = workspace.y if workspace is not None else None
     delta13 = workspace.lora_delta13 if workspace is not None else None
+    # Deltas in the stages: stage 1 stores its slices' down shrinks.
+    shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
     num_grid_tiles = grid_tiles(problem, sorting)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
     tma = tma_enabled(config, problem, backend)
@@ -223,12 +233,15 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         **_lora_args(problem, out),
         num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, out),
         lora_delta13_ptr=delta13 if delta13 is not None else out,
+        lora_shrink2_ptr=shrink2 if shrink2 is not None else out,
+        stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else 0,
     )
     constexprs = dict(
         ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
         GROUP_M=config.GROUP_M, STORE_Y=y is not None,
         HAS_LORA=problem.lora is not None,
+        LORA_DELTAS_READY=delta13 is not None,
         # Unused without adapters: a constant there, so a LoRA-fitted config adds no plain compile.
         LORA_STAGES=(config.lora_num_stages or config.num_stages) if problem.lora is not None else 1,
         PDL=pdl_enabled(config, problem, backend),
@@ -240,6 +253,13 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
 def _pdl_option(pdl: bool) -> dict:
     """The launch option that goes with a PDL=True kernel (its gdc_wait makes the early start safe)."""
     return {"launch_pdl": True} if pdl else {}
+
+
+def deltas_in_stages(problem: MoEProblem, config: FusedMoEConfig) -> bool:
+    """Whether this forward's two stages compute the adapter deltas themselves (no LoRA launches; the
+    only LoRA workspace holds stage 1's down shrinks; :func:`fmoe2.gemm.config.lora_in_stages` says
+    where)."""
+    return problem.lora is not None and lora_in_stages(config, problem.x.shape[0], problem.num_experts, problem.topk)
 
 
 def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts: int) -> dict:
@@ -432,6 +452,7 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
     y = workspace.y
     num_grid_tiles = grid_tiles(problem, sorting)
     H = problem.hidden_size
+    lora = problem.lora if workspace.lora_delta13 is None else None  # down deltas here, or by their own launches
     grid = (config.S2_SPLIT_K * num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
     tma = tma_enabled(config, problem, backend)
     args = dict(
@@ -448,6 +469,16 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
                       BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
                       GROUP_M=config.S2_GROUP_M, PDL=pdl_enabled(config, problem, backend),
                       SPLIT_K=config.S2_SPLIT_K)
+    if lora is not None:
+        shrink, b2 = workspace.lora_shrink2, lora.b2
+        args.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,
+                    lora_scaling_ptr=lora.scaling, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, out),
+                    num_loras=lora.num_loras, num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0),
+                    stride_lb_l=b2.stride(0), stride_lb_e=b2.stride(1), stride_lb_r=b2.stride(2))
+        lora_consts = lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts)
+        # Partial shrinks loaded per step of stage 2's sum: [splits, BLOCK_M, R] fp32, 4096 elements, at least 2.
+        splits_per_step = max(2, 4096 // (config.BLOCK_M * lora.padded_rank))
+        constexprs.update(HAS_LORA=True, LORA_SPLITS_PER_STEP=splits_per_step, **lora_consts)
     return grid, args, constexprs, {**config.launch_options(backend, stage2=True), **_pdl_option(constexprs["PDL"])}
 
 
@@ -482,19 +513,21 @@ def fused_moe(
         expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1; tokens
             routed to other ranks' experts contribute nothing (their rows may stay zero).
         config: optional :class:`FusedMoEConfig` overriding :func:`fmoe2.get_config`.
-        path: ``"auto"`` (the config's path: tuned per device, batch and shape; with adapters, the
-            fused path at decode sizes, see :func:`fmoe2.get_config`), ``"fused"``
+        path: ``"auto"`` (the config's path: tuned per device, batch and shape, with or without
+            adapters, see :func:`fmoe2.get_config`), ``"fused"``
             (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
             the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
             atomic adds per output element; workspace ``y`` of at most
             ``rows = (M*topk // BLOCK_M + min(E, M*topk)) * BLOCK_M`` x I elements, and with
             ``lora`` also ``rows x 2I`` for the gate/up deltas, both in the input dtype, and the fp32
             partial shrinks, at most ``16 x rows x 3R`` (R the padded rank); adapters add four
-            launches).
+            launches. Up to 1 routed row per expert the stages compute the deltas themselves: no
+            extra launch, and only ``ceil(I / BLOCK_N) x rows x R`` fp32 of down shrinks).
         lora: optional :class:`fmoe2.MoELoRA` adapters (better: :func:`fmoe2.prepare_lora` of
             them, done once; an unprepared one is converted on every call). Their deltas are
             computed inside the fused kernel, or on the two-stage path by a shrink and an expand
-            kernel before each stage (see ``fmoe2/gemm/lora.py`` and ``fmoe2/gemm/lora_kernel.py``).
+            kernel before each stage, at decode sizes inside the stages (see ``fmoe2/gemm/lora.py``,
+            ``fmoe2/gemm/lora_kernel.py`` and :func:`fmoe2.gemm.config.lora_in_stages`).
         token_lora_ids: int32 ``[M]``, the adapter of each token, ``-1`` (or any id outside
             ``[0, max_loras)``) for none; required with ``lora``.
 
@@ -541,8 +574,9 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
                      expert_map, config: FusedMoEConfig) -> List[Tuple[str, Callable[[], None]]]:
     """The launches of one forward, in order, as ``(name, launch)`` pairs, their buffers (sorting
     results, two-stage workspace) allocated: ``sort``, then ``fused``, or ``stage1`` and ``stage2``
-    (with adapters ``lora_shrink13`` and ``lora_expand13`` before stage 1, ``lora_shrink2`` and
-    ``lora_expand2`` before stage 2).
+    (with adapters, unless the stages compute the deltas (:func:`deltas_in_stages`),
+    ``lora_shrink13`` and ``lora_expand13`` before stage 1, ``lora_shrink2`` and ``lora_expand2``
+    before stage 2).
     :func:`fused_moe` runs them in order; the benchmark also times each one alone."""
     M = hidden_states.shape[0]
     backend = current_backend()
@@ -560,8 +594,8 @@ def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids,
         grid, args, constexprs, options = launch
         launches.append((name, lambda: kernel[grid](**args, **constexprs, **options)))
 
-    workspace = TwoStageWorkspace.allocate(problem, sorting) if config.path == "two_stage" else None
-    lora_deltas = workspace is not None and lora is not None
+    workspace = TwoStageWorkspace.allocate(problem, sorting, config) if config.path == "two_stage" else None
+    lora_deltas = workspace is not None and lora is not None and not deltas_in_stages(problem, config)
     if lora_deltas:
         on = dict(backend=backend, cuda_arch=cuda_arch_of(hidden_states.device),
                   pdl=pdl_enabled(config, problem, backend))

@@ -15,8 +15,11 @@ while they are added to); a larger GROUP_M lets tiles of one expert share weight
 
 With ``STORE_Y`` the kernel is stage 1 of the two-stage path: it stores ``y`` (routing weight
 applied) in sorted row order and skips the down GEMM, which ``grouped_gemm_kernel`` then does.
-With ``STORE_Y`` and ``HAS_LORA`` its only LoRA work is adding the gate/up deltas that
-``_lora_expand_kernel`` wrote (``fmoe2/gemm/lora_kernel.py``, which says why).
+With ``STORE_Y`` and ``HAS_LORA`` it either adds the gate/up deltas that ``_lora_expand_kernel``
+wrote (``LORA_DELTAS_READY``; ``fmoe2/gemm/lora_kernel.py`` says why) or, at decode sizes (see
+``lora_in_stages`` in ``fmoe2/gemm/config.py``), computes them in its own loops as the fused
+path does, and stores each row's down shrink of its slice, ``y_slice @ A2[adapter, :, slice]^T``,
+which stage 2 sums over the slices and expands (``grouped_gemm_kernel.py``).
 
 With ``HAS_LORA`` on the fused path (multi-LoRA, layouts in ``fmoe2/gemm/lora.py``) tiles stay per
 expert, so the base weights are read exactly as without adapters whatever the mix of adapters. The adapters a
@@ -44,8 +47,8 @@ import triton
 import triton.language as tl
 
 from ..grid_dependency import dependent_launch_prologue
-from .lora_kernel import (_down_shrink, _expand_gate_up, _own_rows, _shrink_step, _slice_tile, _split_gate_up, _stack,
-                          _tile_slots)
+from .lora_kernel import (_down_shrink, _expand_gate_up, _own_rows, _own_shrink, _shrink_step, _slice_tile,
+                          _split_gate_up, _stack, _tile_slots)
 
 
 @triton.jit
@@ -159,6 +162,8 @@ def _fused_moe_kernel(
     lora_b2_ptr,  # [L, E, LORA_RANK, H_pad]: down B^T
     lora_scaling_ptr,  # [L] float32
     lora_delta13_ptr,  # [num_grid_tiles * BLOCK_M, >= 2*I] (STORE_Y with HAS_LORA): gate then up LoRA deltas per row
+    lora_shrink2_ptr,  # [cdiv(I, BLOCK_N), num_grid_tiles * BLOCK_M, LORA_RANK] fp32 (deltas in the stages): down
+    # shrinks of each slice
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
     sorted_expert_ids_ptr,  # [max_num_tiles] int32
@@ -178,6 +183,7 @@ def _fused_moe_kernel(
     stride_out_m,
     stride_y_m,
     stride_delta13_m,
+    stride_shrink2_split,
     stride_la13_l,
     stride_la13_e,
     stride_la13_r,
@@ -200,6 +206,7 @@ def _fused_moe_kernel(
     GROUP_M: tl.constexpr,
     STORE_Y: tl.constexpr,  # two-stage path, stage 1: store y and stop (no down GEMM)
     HAS_LORA: tl.constexpr,
+    LORA_DELTAS_READY: tl.constexpr,  # STORE_Y with HAS_LORA: add lora_delta13's deltas (else compute them here)
     LORA_RANK: tl.constexpr,  # padded rank (power of two >= 16)
     LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
@@ -258,7 +265,8 @@ def _fused_moe_kernel(
     # Triton 3.6: 237568 > 232448 bytes). The slice bound: preloading at BLOCK_N=256 (Mixtral M=1,
     # rank 16) spilled 121 instructions on sm_90.
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)
-    if HAS_LORA and not STORE_Y:
+    ADD_READY_DELTAS: tl.constexpr = STORE_Y and HAS_LORA and LORA_DELTAS_READY
+    if HAS_LORA and not ADD_READY_DELTAS:
         if LORA_DECODE:
             row_lora = tl.full([BLOCK_M], -1, tl.int32)
             row_slot = row_lora
@@ -274,21 +282,20 @@ def _fused_moe_kernel(
         row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
     else:
         num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
-    if STORE_Y:
+    if ADD_READY_DELTAS:
         # Two-stage path: LoRA deltas come ready from _lora_expand_kernel (see lora_kernel.py).
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None)
-        if HAS_LORA:
-            # Add the deltas _lora_expand_kernel wrote; rows without an adapter have none (their
-            # loads are masked off). Nothing of this runs before or lives across the K loop, and in a
-            # batch without adapters none of it runs.
-            if batch_has_lora:
-                row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
-                has = ((row_lora >= 0) & (row_lora < num_loras))[:, None] & n_valid[None, :]
-                delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * stride_delta13_m
-                gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
-                up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
+        # Add the deltas _lora_expand_kernel wrote; rows without an adapter have none (their loads
+        # are masked off). Nothing of this runs before or lives across the K loop, and in a batch
+        # without adapters none of it runs.
+        if batch_has_lora:
+            row_lora = tl.load(token_lora_ids_ptr + token, mask=row_valid, other=-1)
+            has = ((row_lora >= 0) & (row_lora < num_loras))[:, None] & n_valid[None, :]
+            delta_rows = lora_delta13_ptr + offs_m.to(tl.int64)[:, None] * stride_delta13_m
+            gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
+            up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
     elif num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
@@ -352,37 +359,55 @@ def _fused_moe_kernel(
     if STORE_Y:
         # Padding rows hold zeros (their x rows and routing weights are 0), so no row mask.
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], y, mask=n_valid[None, :])
-        return
-
-    # Down GEMM of this slice over all of H, added into the output.
-    if num_present == 0:
-        _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H, y, offs_n, n_valid,
-              w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, False, None)
+        if not ADD_READY_DELTAS:
+            if num_present > 0:
+                # Deltas in the stages: this slice's down shrink of each row with an adapter, summed
+                # over the slices and expanded by stage 2 (grouped_gemm_kernel.py).
+                a2_expert = lora_a2_ptr + expert * stride_la2_e
+                la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0,
+                                                    LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                if not LORA_DECODE:
+                    la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
+                own = _own_shrink(y, la2, row_slot, d_slot, LORA_SLOTS, LORA_RANK)
+                if LORA_SLOTS < LORA_IDS:
+                    for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
+                        la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of,
+                                                            first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                        own += _own_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
+                                           LORA_SLOTS, LORA_RANK)
+                shrink_rows = lora_shrink2_ptr + slice_id * stride_shrink2_split + offs_m.to(tl.int64) * LORA_RANK
+                tl.store(shrink_rows[:, None] + tl.arange(0, LORA_RANK)[None, :], own,
+                         mask=(row_slot >= 0)[:, None])
     else:
-        # Down shrink of this slice for a slot group, t = y_slice @ A2[stack, slice]^T (each row keeps
-        # its own slot's columns); its expand t @ B2t[stack, h chunk] rides the down loop.
-        a2_expert = lora_a2_ptr + expert * stride_la2_e
-        b2_expert = lora_b2_ptr + expert * stride_lb2_e
-        # (Decode tiles use only d_slot here: their A2 tile was loaded before the K loop.)
-        la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
-                                            LORA_SLOTS, LORA_RANK, 1)
-        if not LORA_DECODE:
-            la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
-        lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of, 0, LORA_IDS,
-                                              LORA_SLOTS, LORA_RANK, 1)
-        _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
-              _down_shrink(y, la2, row_slot, d_slot, row_scale),
-              lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
-        if LORA_SLOTS < LORA_IDS:
-            # Further slot groups: their own pass over H, atomics on their rows only.
-            for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
-                la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of,
-                                                    first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
-                lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of,
-                                                      first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
-                _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
-                      stride_w2_h, offs_n, n_valid, H,
-                      _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
-                                   row_scale),
-                      lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, False, True,
-                      LORA_STAGES)
+        # Down GEMM of this slice over all of H, added into the output.
+        if num_present == 0:
+            _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H, y, offs_n, n_valid,
+                  w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, False, None)
+        else:
+            # Down shrink of this slice for a slot group, t = y_slice @ A2[stack, slice]^T (each row keeps
+            # its own slot's columns); its expand t @ B2t[stack, h chunk] rides the down loop.
+            a2_expert = lora_a2_ptr + expert * stride_la2_e
+            b2_expert = lora_b2_ptr + expert * stride_lb2_e
+            # (Decode tiles use only d_slot here: their A2 tile was loaded before the K loop.)
+            la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
+                                                LORA_SLOTS, LORA_RANK, 1)
+            if not LORA_DECODE:
+                la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
+            lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of, 0, LORA_IDS,
+                                                  LORA_SLOTS, LORA_RANK, 1)
+            _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
+                  _down_shrink(y, la2, row_slot, d_slot, row_scale),
+                  lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
+            if LORA_SLOTS < LORA_IDS:
+                # Further slot groups: their own pass over H, atomics on their rows only.
+                for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
+                    la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of,
+                                                        first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                    lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of,
+                                                          first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                    _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
+                          stride_w2_h, offs_n, n_valid, H,
+                          _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
+                                       row_scale),
+                          lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, False, True,
+                          LORA_STAGES)

@@ -12,11 +12,21 @@ One kernel, two users:
 
 Given tensor descriptors (fmoe2's stage 2 with ``FusedMoEConfig.tma``), B tiles and A tiles (A
 not gathered) come through them (Hopper's bulk tensor copy engine) instead of pointer loads.
+
+With ``HAS_LORA`` (fmoe2's stage 2 where the two stages compute the adapter deltas themselves, see
+``lora_in_stages`` in ``fmoe2/gemm/config.py``) the programs of the first K share also add the
+down deltas of their rows after the K loop: stage 1 stored each I slice's partial down shrink
+``y_slice @ A2[adapter, :, slice]^T`` per row; they are summed here and expanded with
+``B2t[adapter, :, N block]`` into the accumulator, before its one atomic add. (Shrinking inside
+this K loop instead, on the y tiles already loaded, made stage 2 take 1.14-4.5x its plain time on
+an H200 at Mixtral M=1 and 2 over the S2_BLOCK_N, S2_SPLIT_K, warps and tensor-descriptor settings
+tried, 1.29x at the tuned ones, against 1.11x for these stored partials: 63.4 against 56.9 us.)
 """
 import triton
 import triton.language as tl
 
 from ..grid_dependency import gdc_wait
+from .lora_kernel import _slice_tile, _stack, _summed_shrink, _tile_slots
 
 
 @triton.jit
@@ -51,10 +61,28 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
     SPLIT_K: tl.constexpr = 1,  # programs per (tile, N block), each over a share of K (ATOMIC_OUTPUT only)
+    # Down deltas of multi-LoRA (HAS_LORA; fmoe2's stage 2 only: ids are token ids, A is y in sorted order):
+    token_lora_ids_ptr=None,  # [M] int32 adapter per token, -1 = none
+    lora_shrink_ptr=None,  # [num_shrink_splits, num_grid_tiles * BLOCK_M, LORA_RANK] fp32: stage 1's partial shrinks
+    lora_b_ptr=None,  # B2t [L, E, LORA_RANK, N_pad]
+    lora_scaling_ptr=None,  # [L] float32
+    num_lora_tokens_ptr=None,  # [1] int32: tokens with an adapter (from the sort)
+    num_loras=0,
+    num_shrink_splits=0,  # I slices of stage 1
+    stride_shrink_split=0,
+    stride_lb_l=0,
+    stride_lb_e=0,
+    stride_lb_r=0,
+    HAS_LORA: tl.constexpr = False,
+    LORA_RANK: tl.constexpr = 16,  # padded rank
+    LORA_IDS: tl.constexpr = 1,  # next_pow2(num_loras)
+    LORA_SLOTS: tl.constexpr = 1,  # adapters of one tile stacked into one operand
+    LORA_SPLITS_PER_STEP: tl.constexpr = 1,  # partial shrinks loaded per step of their sum
 ):
     """Grid: (SPLIT_K * num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block),
     K shares slowest; programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
     tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
+    tl.static_assert(not HAS_LORA or (ATOMIC_OUTPUT and not GATHER_A), "LoRA deltas: fmoe2's stage 2 only")
     if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
         gdc_wait()
     pid = tl.program_id(0)
@@ -100,6 +128,21 @@ def _grouped_gemm_kernel(
         else:
             b = tl.load(b_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    if HAS_LORA:
+        # The first K share adds the deltas; a batch without adapters skips even numbering slots.
+        if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
+            row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_id, row_valid,
+                                                                             num_loras, True, LORA_IDS)
+            row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
+            shrink_rows = lora_shrink_ptr + offs_m.to(tl.int64) * LORA_RANK
+            b2_expert = lora_b_ptr + expert * stride_lb_e
+            for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
+                lb_rows, lb_slot, lb_used = _stack(b2_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot,
+                                                   LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                own = _summed_shrink(shrink_rows, row_slot, lb_slot, num_shrink_splits, stride_shrink_split, row_scale,
+                                     b2_expert.dtype.element_ty, LORA_RANK, LORA_SLOTS * LORA_RANK,
+                                     LORA_SPLITS_PER_STEP)
+                acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
     c_ptrs = c_ptr + row_id[:, None] * stride_c_m + offs_n[None, :]

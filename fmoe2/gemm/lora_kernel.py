@@ -7,8 +7,9 @@ group; each row then keeps only its own slot's columns (``_own_rows``). The fuse
 (``fused_moe_kernel.py``) computes every delta inside its own programs.
 
 Two-stage path with adapters (``fused_moe`` with ``path="two_stage"``, or "auto" where the config
-picks it), seven launches: sort, ``_lora_shrink_kernel`` and ``_lora_expand_kernel`` (gate/up),
-stage 1, the same two (down), stage 2:
+picks it) beyond 1 routed row per expert (up to it the two stages compute the deltas themselves,
+see ``lora_in_stages`` in ``config.py``), seven launches: sort, ``_lora_shrink_kernel`` and
+``_lora_expand_kernel`` (gate/up), stage 1, the same two (down), stage 2:
 
 * gate/up: ``delta13[row] = scale * (x_row @ A13[adapter]^T) @ B13t[adapter]`` ``[2I]`` (gate, then
   up; input dtype, sorted-row order); stage 1 adds it to its accumulators before the activation;
@@ -118,6 +119,16 @@ def _down_shrink(y, a2_tile, row_slot, stack_slot, row_scale):
     stacked A2 rows [STACK, BLOCK_N]), each row's own slot kept."""
     stacked = tl.dot(y, tl.trans(a2_tile), input_precision="ieee")
     return _own_rows(stacked, row_slot, stack_slot, row_scale, y.dtype)
+
+
+@triton.jit
+def _own_shrink(y, a2_tile, row_slot, stack_slot, LORA_SLOTS: tl.constexpr, LORA_RANK: tl.constexpr):
+    """[BLOCK_M, LORA_RANK] fp32, unscaled: each row's down shrink of one slice, ``y @ A2[own adapter, :,
+    slice]^T`` (``a2_tile``: the slice's stacked A2 rows [STACK, BLOCK_N]; rows whose slot is not in the
+    stack get zeros)."""
+    stacked = tl.dot(y, tl.trans(a2_tile), input_precision="ieee")
+    mine = tl.where(row_slot[:, None] == stack_slot[None, :], stacked, tl.zeros_like(stacked))
+    return tl.sum(tl.reshape(mine, [y.shape[0], LORA_SLOTS, LORA_RANK]), axis=1)
 
 
 @triton.jit
@@ -243,15 +254,32 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _summed_shrink(rows, row_slot, stack_slot, num_splits, stride_split, row_scale, dtype, LORA_RANK: tl.constexpr,
-                   STACK: tl.constexpr):
+                   STACK: tl.constexpr, SPLITS_PER_STEP: tl.constexpr):
     """[BLOCK_M, STACK]: each row's shrink (``rows`` points at one part of its entries) summed over the
-    splits, scaled, in the columns of its own slot (zeros elsewhere), in ``dtype``."""
-    ptrs = rows[:, None] + (tl.arange(0, STACK) % LORA_RANK)[None, :]
+    splits, scaled, in the columns of its own slot (zeros elsewhere), in ``dtype``.
+
+    SPLITS_PER_STEP > 1 (stage 2 of the deltas in the stages, which sums one partial per I slice of
+    stage 1: a hundred or more) loads that many splits at once, each row's R entries only, and
+    places the sums in the stack's columns after the loop."""
     mine = row_slot[:, None] == stack_slot[None, :]
-    total = tl.load(ptrs, mask=mine, other=0.0)
-    for _ in range(1, num_splits):
-        ptrs += stride_split
-        total += tl.load(ptrs, mask=mine, other=0.0)
+    if SPLITS_PER_STEP == 1:
+        ptrs = rows[:, None] + (tl.arange(0, STACK) % LORA_RANK)[None, :]
+        total = tl.load(ptrs, mask=mine, other=0.0)
+        for _ in range(1, num_splits):
+            ptrs += stride_split
+            total += tl.load(ptrs, mask=mine, other=0.0)
+    else:
+        ptrs = rows[None, :, None] + tl.arange(0, LORA_RANK)[None, None, :]
+        has = (row_slot >= 0)[None, :, None]
+        splits = tl.arange(0, SPLITS_PER_STEP)
+        by_rank = tl.zeros([rows.shape[0], LORA_RANK], dtype=tl.float32)
+        for first in range(0, num_splits, SPLITS_PER_STEP):
+            split = first + splits
+            step = tl.load(ptrs + (split.to(tl.int64) * stride_split)[:, None, None],
+                           mask=has & (split < num_splits)[:, None, None], other=0.0)
+            by_rank += tl.sum(step, axis=0)
+        stacked = tl.broadcast_to(by_rank[:, None, :], [rows.shape[0], STACK // LORA_RANK, LORA_RANK])
+        total = tl.where(mine, tl.reshape(stacked, [rows.shape[0], STACK]), 0.0)
     return (total * row_scale[:, None]).to(dtype)
 
 
@@ -311,7 +339,7 @@ def _lora_expand_kernel(
         rows = (_in_group(row_slot, first_slot, LORA_SLOTS) & row_valid)[:, None]
         if DOWN:
             own = _summed_shrink(shrink_rows, row_slot, lb_slot, num_shrink_splits, stride_shrink_split, row_scale,
-                                 dtype, LORA_RANK, STACK)
+                                 dtype, LORA_RANK, STACK, 1)
             for n0 in range(n_begin, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < n_end
@@ -321,9 +349,9 @@ def _lora_expand_kernel(
                               mask=rows & n_valid[None, :], sem="relaxed")
         else:
             own_gate = _summed_shrink(shrink_rows, row_slot, lb_slot, num_shrink_splits, stride_shrink_split,
-                                      row_scale, dtype, LORA_RANK, STACK)
+                                      row_scale, dtype, LORA_RANK, STACK, 1)
             own_up = _summed_shrink(shrink_rows + LORA_RANK, row_slot, lb_slot, num_shrink_splits,
-                                    stride_shrink_split, row_scale, dtype, LORA_RANK, STACK)
+                                    stride_shrink_split, row_scale, dtype, LORA_RANK, STACK, 1)
             for n0 in range(n_begin, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < n_end

@@ -179,24 +179,41 @@ def test_lora_stages_reach_only_the_lora_kernel():
     assert fused_kernel_launch(problem, problem.x, sorting, "silu", fitted, "cuda")[2]["LORA_STAGES"] == 3
 
 
-def test_lora_pick_runs_fused_at_decode_where_the_plain_pick_is_two_stage(tmp_path):
-    from fmoe2.gemm.config import LORA_FUSED_MAX_TOKENS_PER_EXPERT, fit_lora_config
+def test_lora_pick_keeps_the_plain_path_and_fits_the_stages_that_carry_adapters(tmp_path):
+    from fmoe2.gemm.config import (LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT, fit_lora_config,
+                                   fit_lora_config_to_problem, gate_up_loop_shared_bytes, lora_in_stages)
 
     d = tmp_path / device_config_name(torch.device("cpu"))
     d.mkdir()
-    two = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_stages=4, path="two_stage")
+    # The H100's Mixtral M=1 pick (tuned file) at 1 and 4096 tokens.
+    two = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_stages=3, path="two_stage", S2_BLOCK_N=128,
+               S2_BLOCK_K=128, s2_num_stages=4)
     (d / shape_file_name(8, 4096, 14336, 2, torch.bfloat16)).write_text(json.dumps({"1": two, "4096": two}))
     pick = lambda M, **kw: get_config(M, 8, 4096, 14336, 2, torch.bfloat16, device=torch.device("cpu"),
                                       config_dir=str(tmp_path), **kw)
-    edge = LORA_FUSED_MAX_TOKENS_PER_EXPERT * 8 // 2  # M with exactly that many routed rows per expert
+    edge = LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT * 8 // 2  # M with exactly that many routed rows per expert
     for M in (1, 2, edge):
-        assert pick(M).path == "two_stage"
-        lora = pick(M, lora=True)
-        # The fused refit, with the adapters' steps; one wave at M=1 only (2 tiles x 56 slices of 256).
-        assert lora == fit_lora_config(pick(M, path="fused"), M == 1)
-        assert lora.path == "fused" and 2 * -(-14336 // lora.BLOCK_N) <= 128  # precision cap of the fused path
-    assert pick(edge + 1, lora=True) == pick(edge + 1)  # past the crossover: two-stage, unchanged
-    assert pick(1, lora=True, path="two_stage").path == "two_stage"  # a forced path stays forced
+        # The deltas in the two stages; within the 232448 bytes of Hopper's shared memory as tuned.
+        assert lora_in_stages(pick(M), M, 8, 2) and pick(M, lora=True) == pick(M)
+    assert not lora_in_stages(pick(edge + 1), edge + 1, 8, 2) and pick(edge + 1, lora=True) == pick(edge + 1)
+    assert pick(1, lora=True, path="fused").path == "fused"  # a forced path stays forced
+    # The A100's 166912 bytes: stage 1's LoRA loop (204800 bytes at 3 stages) comes down to 2 stages, its
+    # plain loop (139264) fits as it is.
+    cfg = pick(1)
+    fitted = fit_lora_config(cfg, False, 166912, 2, in_stages=True)
+    assert (fitted.lora_num_stages, fitted.num_stages, fitted.BLOCK_K) == (2, 3, 128)
+    assert fit_lora_config(fitted, False, 166912, 2, in_stages=True) == fitted  # idempotent
+    assert fit_lora_config(cfg, False, 166912, 2) == cfg  # deltas by their own launches: stages carry none
+    # 64 KiB (gfx942): both loops at 2 stages, then BLOCK_K halved.
+    small = fit_lora_config(cfg, False, 65536, 2, in_stages=True)
+    assert (small.lora_num_stages, small.num_stages, small.BLOCK_K) == (2, 2, 64)
+    assert gate_up_loop_shared_bytes(small, 2) <= 65536
+    # Stage 1's slices at least LORA_MIN_BLOCK_N wide (the H200's pick has 64 columns at M=1), within I.
+    narrow = replace(cfg, BLOCK_N=64, num_stages=4)
+    wide = fit_lora_config_to_problem(narrow, 1, 8, 4096, 14336, 2, torch.bfloat16, 132)
+    assert (wide.BLOCK_N, wide.BLOCK_K, wide.num_stages, wide.lora_num_stages, wide.num_warps) == (128, 128, 4, 3, 4)
+    assert fit_lora_config_to_problem(narrow, 1, 8, 4096, 40, 2, torch.bfloat16, 132).BLOCK_N == 64  # I = 40
+    assert fit_lora_config_to_problem(narrow, 5, 8, 4096, 14336, 2, torch.bfloat16, 132) == narrow  # 1.25 rows
     # Fused picks only get the adapters' fit.
     fused = dict(two, path="fused")
     (d / shape_file_name(8, 512, 256, 2, torch.bfloat16)).write_text(json.dumps({"1": fused}))
@@ -286,7 +303,8 @@ def test_lora_fit_widens_narrow_fused_slices_beyond_one_wave(tmp_path):
     assert (fp32.BLOCK_N, fp32.num_stages, fp32.lora_num_stages) == (128, 2, 2)
     assert fit(replace(narrow, BLOCK_N=256), 16).BLOCK_N == 256  # wide picks unchanged
     two = replace(narrow, path="two_stage")
-    assert fit(two, 16) == two  # two-stage loops carry no adapter work
+    assert fit(two, 32) == two  # 2 routed rows per expert: the two-stage loops carry no adapter work
+    assert fit(two, 16) == replace(two, BLOCK_N=128, lora_num_stages=3)  # 1 row: deltas in the stages
     # The pick and a caller's config get the same fit.
     d = tmp_path / device_config_name(torch.device("cpu"))
     d.mkdir()

@@ -15,7 +15,31 @@ from helpers import DEVICE, assert_matches_reference, make_lora, make_problem, m
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
 SMALL_TWO_STAGE = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="two_stage", S2_BLOCK_N=16,
                                  S2_BLOCK_K=16)
-CONFIGS = {"fused": SMALL, "two_stage": SMALL_TWO_STAGE}
+# "two_stage": the adapter deltas by the LoRA shrink/expand launches before each stage;
+# "two_stage_in_stages": inside the two stages (fmoe2.gemm.config.lora_in_stages). Tests parametrized by
+# ``path`` get that choice pinned (the _pin_two_stage_lora fixture), whatever the batch size.
+CONFIGS = {"fused": SMALL, "two_stage": SMALL_TWO_STAGE, "two_stage_in_stages": SMALL_TWO_STAGE}
+PATHS = list(CONFIGS)
+IN_STAGES_MAX_TOKENS_PER_EXPERT = {"two_stage": -1, "two_stage_in_stages": float("inf")}
+fm = importlib.import_module("fmoe2.gemm.fused_moe")
+config_module = importlib.import_module("fmoe2.gemm.config")
+
+
+@pytest.fixture(autouse=True)
+def _pin_two_stage_lora(request, monkeypatch):
+    callspec = getattr(request.node, "callspec", None)
+    path = callspec.params.get("path") if callspec else None
+    if path in IN_STAGES_MAX_TOKENS_PER_EXPERT:
+        limit = IN_STAGES_MAX_TOKENS_PER_EXPERT[path]
+        monkeypatch.setattr(config_module, "LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT", limit)
+
+
+def launch_names(monkeypatch) -> list:
+    """The names of the launches of every following fused_moe call, appended in order."""
+    names = []
+    real = fm.forward_launches
+    monkeypatch.setattr(fm, "forward_launches", lambda *a: (lambda ls: names.extend(n for n, _ in ls) or ls)(real(*a)))
+    return names
 
 
 def run_and_check(M, E, H, I, topk, rank, dtype, *, num_loras=3, lora_ids=None, experts=None, prepared=True,
@@ -47,38 +71,50 @@ def test_mixed_adapters_match_reference(M, E, H, I, topk, dtype, prepared):
     run_and_check(M, E, H, I, topk, 16, dtype, prepared=prepared, seed=M)
 
 
+@pytest.mark.parametrize("path", ["two_stage", "two_stage_in_stages"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("M,E,H,I,topk,prepared", [
     (1, 4, 64, 32, 2, True),
     (13, 5, 40, 24, 2, False),
     (37, 3, 24, 56, 3, True),
 ])
-def test_two_stage_mixed_adapters_match_reference(M, E, H, I, topk, prepared, dtype):
-    # LoRA deltas by _lora_shrink_kernel + _lora_expand_kernel: gate/up into a workspace before stage 1,
-    # down into out before stage 2.
+def test_two_stage_mixed_adapters_match_reference(M, E, H, I, topk, prepared, dtype, path, monkeypatch):
+    # "two_stage": LoRA deltas by _lora_shrink_kernel + _lora_expand_kernel, gate/up into a workspace
+    # before stage 1, down into out before stage 2; "two_stage_in_stages": no LoRA launch.
+    names = launch_names(monkeypatch)
     run_and_check(M, E, H, I, topk, 16, dtype, prepared=prepared, config=SMALL_TWO_STAGE, seed=M)
+    lora_launches = ["lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2"] if path == "two_stage" else []
+    assert [n for n in names if n.startswith("lora")] == lora_launches
 
 
-@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("path", ["two_stage_in_stages"])
+@pytest.mark.parametrize("M,S2_SPLIT_K", [(1, 2), (9, 3), (26, 2)])
+def test_in_stages_down_deltas_over_stage_2_shares(M, S2_SPLIT_K, path):
+    # Stage 2 in shares of I (S2_SPLIT_K): each share adds the down delta of its share's shrink, and the
+    # shares' partials sum to the whole delta. I = 72: 5 steps of 16, so the last share is shorter.
+    cfg = replace(SMALL_TWO_STAGE, S2_SPLIT_K=S2_SPLIT_K)
+    run_and_check(M, 5, 40, 72, 3, 16, torch.float16, config=cfg, seed=M)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rank", [8, 16, 32, 64, 5])
 def test_every_rank(rank, path):
     run_and_check(11, 4, 48, 40, 2, rank, torch.float16, config=CONFIGS[path], seed=rank)
 
 
-@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("path", PATHS)
 def test_one_adapter_for_all_tokens_and_unprepared_lora(path):
     M = 19
     run_and_check(M, 4, 40, 32, 2, 16, torch.float16, lora_ids=torch.full((M,), 2, dtype=torch.int32, device=DEVICE),
                   prepared_lora=False, config=CONFIGS[path])
 
 
-@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("M", [17, 1])  # M=1: one-slot decode tiles, which skip numbering slots
 def test_no_token_has_an_adapter_gives_the_plain_result(path, M):
     E, H, I, topk = 4, 40, 32, 2
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=3)
     lora = prepare_lora(make_lora(2, E, H, I, 16, torch.float16))
-    fm = importlib.import_module("fmoe2.gemm.fused_moe")
     assert (fm.lora_constexprs(lora, num_rows=M * topk, num_experts=E)["LORA_SLOTS"] == 1) == (M == 1)
     # -1 and ids outside [0, max_loras) both mean "no adapter".
     lora_ids = torch.tensor(([-1, 2, 7, -5] * 5)[:M], dtype=torch.int32, device=DEVICE)
@@ -90,7 +126,7 @@ def test_no_token_has_an_adapter_gives_the_plain_result(path, M):
         assert rel_error(out, plain) < 2e-3
 
 
-@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("path", PATHS)
 def test_adapters_on_some_experts_only(path):
     run_and_check(23, 6, 40, 24, 2, 16, torch.float16, experts=[1, 4], config=CONFIGS[path], seed=4)
 
@@ -99,7 +135,9 @@ def test_adapters_on_some_experts_only(path):
     (8, 16, torch.float16, True, "fused"), (16, 8, torch.float16, True, "fused"), (5, 64, torch.float16, True, "fused"),
     (3, 32, torch.float16, True, "fused"), (2, 16, torch.float16, True, "fused"), (8, 16, torch.float32, False, "fused"),
     (5, 64, torch.float32, False, "fused"), (8, 16, torch.float16, True, "two_stage"),
-    (16, 8, torch.float32, False, "two_stage"), (5, 64, torch.float16, True, "two_stage")])
+    (16, 8, torch.float32, False, "two_stage"), (5, 64, torch.float16, True, "two_stage"),
+    (8, 16, torch.float16, True, "two_stage_in_stages"), (16, 8, torch.float32, False, "two_stage_in_stages"),
+    (5, 64, torch.float16, True, "two_stage_in_stages")])
 def test_many_adapters_one_expert_tile(num_loras, rank, dtype, prepared, path):
     # All tokens on one expert, every tile mixes many adapters: with more adapters in a tile than
     # the kernel stacks into one operand (LORA_SLOTS), further slot groups take extra passes.
@@ -108,13 +146,15 @@ def test_many_adapters_one_expert_tile(num_loras, rank, dtype, prepared, path):
     lora_ids = (torch.arange(M, dtype=torch.int32) % (num_loras + 1) - 1).to(DEVICE)  # -1, 0..L-1
     x, w1, w2, tw, ti = make_problem(M, 2, 32, 40, 1, dtype, ids=ids)
     lora = make_lora(num_loras, 2, 32, 40, rank, dtype)
-    cfg = FusedMoEConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_H=32, path=path, S2_BLOCK_N=16, S2_BLOCK_K=16)
+    cfg = FusedMoEConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_H=32, path=CONFIGS[path].path, S2_BLOCK_N=16,
+                         S2_BLOCK_K=16)
     weights = (prepare_weights(w1, w2), None) if prepared else (w1, w2)
     out = fused_moe(x, *weights, tw, ti, lora=lora, token_lora_ids=lora_ids, config=cfg, out=poisoned(M, 32, dtype))
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids)
 
 
-@pytest.mark.parametrize("activation,path", [("silu", "fused"), ("gelu_tanh", "fused"), ("silu", "two_stage")])
+@pytest.mark.parametrize("activation,path", [("silu", "fused"), ("gelu_tanh", "fused"), ("silu", "two_stage"),
+                                             ("silu", "two_stage_in_stages")])
 def test_one_slot_tile_mixing_adapters(activation, path):
     # Fewer routed rows than experts gives one slot (LORA_SLOTS=1), yet a tile may still mix
     # adapters: here 3 tokens with adapters 0, 1, 2 all on expert 0 of 8 take two further passes.
@@ -123,25 +163,25 @@ def test_one_slot_tile_mixing_adapters(activation, path):
     lora_ids = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
     x, w1, w2, tw, ti = make_problem(M, E, H, I, 1, torch.float16, ids=ids)
     lora = make_lora(3, E, H, I, 16, torch.float16)
-    fm = importlib.import_module("fmoe2.gemm.fused_moe")
     assert fm.lora_constexprs(prepare_lora(lora), num_rows=M, num_experts=E)["LORA_SLOTS"] == 1
     out = fused_moe(x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids,
                     config=CONFIGS[path], out=poisoned(M, H, torch.float16))
     assert_matches_reference(out, x, w1, w2, tw, ti, activation=activation, lora=lora, token_lora_ids=lora_ids)
 
 
+@pytest.mark.parametrize("path", ["two_stage", "two_stage_in_stages"])
 @pytest.mark.parametrize("out_of_range_ids", [False, True])
-def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch, out_of_range_ids):
+def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch, out_of_range_ids, path):
     # Every workspace row that stage 1 and stage 2 read is written first (delta rows of tokens
     # without an adapter, -1 or an id outside [0, max_loras), are never read): NaN-filled
     # workspaces must give the same result.
-    fm = importlib.import_module("fmoe2.gemm.fused_moe")
     real = fm.TwoStageWorkspace.allocate.__func__
 
-    def allocate_poisoned(cls, problem, sorting):
-        ws = real(cls, problem, sorting)
+    def allocate_poisoned(cls, problem, sorting, config=None):
+        ws = real(cls, problem, sorting, config)
         for t in (ws.y, ws.lora_shrink13, ws.lora_shrink2, ws.lora_delta13):
-            t.fill_(float("nan"))
+            if t is not None:
+                t.fill_(float("nan"))
         return ws
 
     monkeypatch.setattr(fm.TwoStageWorkspace, "allocate", classmethod(allocate_poisoned))
@@ -156,13 +196,14 @@ def test_two_stage_lora_splits_the_shrink_and_the_expand_over_programs(monkeypat
     # Few tiles: each tile's shrink (K = H, then I) and expand (N = I, then H) are shared by several
     # programs; the expand sums the partial shrinks. Down: I = 600 is 5 steps of 128 over 4 splits
     # (2, 2, 1 and an empty share, whose zeros must still count as written).
-    fm = importlib.import_module("fmoe2.gemm.fused_moe")
     assert fm.lora_splits(2, 600, 128, 1, "cpu") == 4 and fm.lora_splits(2, 160, 128, 1, "cpu") == 2
     assert fm.lora_splits(64, 600, 128, 1, "cpu") == 1
     assert fm.lora_shrink_splits(1, 10**6, "cpu") == 8
     monkeypatch.setattr(fm, "LORA_MAX_SHRINK_SPLITS", 3)
     assert fm.lora_shrink_splits(1, 10**6, "cpu") == 3
     monkeypatch.undo()
+    # 1 routed row per expert: pin the LoRA launches
+    monkeypatch.setattr(config_module, "LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT", -1)
     monkeypatch.setattr(fm, "LORA_BLOCK_K", 128)
     monkeypatch.setattr(fm, "lora_expand_block_n", lambda *a: 64)  # expand: I = 600 in 10 column steps, H = 160 in 3
     grids = {}
@@ -179,7 +220,6 @@ def test_two_stage_lora_splits_the_shrink_and_the_expand_over_programs(monkeypat
 
 
 def test_lora_slots_stack_adapters_up_to_the_stack_width():
-    fm = importlib.import_module("fmoe2.gemm.fused_moe")
     for (num_loras, rank), slots in {(4, 16): 4, (16, 16): 4, (3, 8): 4, (2, 16): 2, (4, 32): 2, (16, 64): 1}.items():
         lora = prepare_lora(make_lora(num_loras, 2, 16, 16, rank, torch.float16))
         c = fm.lora_constexprs(lora, num_rows=64, num_experts=8)
@@ -275,7 +315,6 @@ def test_fused_moe_lora_argument_checks():
 def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
     M, E, H, I, topk = 40, 2, 32, 24, 2  # 40 tokens per expert: the defaults pick two-stage
     assert fmoe2.get_config(M, E, H, I, topk, torch.float16, backend="cuda").path == "two_stage"
-    fm = importlib.import_module("fmoe2.gemm.fused_moe")
     launches = []
     real = fm.lora_expand_launch
     monkeypatch.setattr(fm, "lora_expand_launch", lambda *a, **k: launches.append(k["down"]) or real(*a, **k))
@@ -285,23 +324,25 @@ def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
     assert launches == [False, True]
 
 
-def test_auto_path_with_lora_at_decode_runs_fused_where_the_plain_pick_is_two_stage(monkeypatch):
-    M, E, H, I, topk = 2, 4, 32, 24, 2  # 1 routed row per expert
-    config = importlib.import_module("fmoe2.gemm.config")
-    real_pick = config._pick_config
-    monkeypatch.setattr(config, "_pick_config", lambda *a: replace(real_pick(*a), path="two_stage"))
-    assert fmoe2.get_config(M, E, H, I, topk, torch.float16).path == "two_stage"
-    fm = importlib.import_module("fmoe2.gemm.fused_moe")
-    names = []
-    real_launches = fm.forward_launches
-    monkeypatch.setattr(fm, "forward_launches",
-                        lambda *a: (lambda ls: names.extend(n for n, _ in ls) or ls)(real_launches(*a)))
+def test_auto_path_with_lora_at_decode_computes_the_deltas_in_the_two_stages(monkeypatch):
+    M, E, H, I, topk = 2, 4, 32, 24, 2  # 1 routed row per expert (LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT)
+    real_pick = config_module._pick_config
+
+    def two_stage_pick(M, E, H, I, topk, dtype, device, backend, arch, path, *rest):  # like a tuned file's
+        picked = real_pick(M, E, H, I, topk, dtype, device, backend, arch, path, *rest)
+        return replace(picked, path="two_stage") if path == "auto" else picked
+
+    monkeypatch.setattr(config_module, "_pick_config", two_stage_pick)
+    assert fmoe2.get_config(M, E, H, I, topk, torch.float16, lora=True).path == "two_stage"
+    names = launch_names(monkeypatch)
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None)
-    assert names == ["sort", "fused"]  # adapters present: the fused path, no delta launches
+    assert names == ["sort", "stage1", "stage2"]  # adapters present: no delta launches, no LoRA workspace
     names.clear()
-    run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="two_stage")
-    assert names == ["sort", "lora_shrink13", "lora_expand13", "stage1", "lora_shrink2", "lora_expand2",
-                     "stage2"]  # a forced path stays forced
+    run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="fused")
+    assert names == ["sort", "fused"]  # a forced path stays forced
+    names.clear()
+    run_and_check(3, E, H, I, topk, 16, torch.float16, config=None)  # 1.5 rows per expert: the delta launches
+    assert names == ["sort", "lora_shrink13", "lora_expand13", "stage1", "lora_shrink2", "lora_expand2", "stage2"]
 
 
 def test_two_stage_lora_expand_columns_per_architecture():
@@ -316,7 +357,7 @@ def test_two_stage_lora_expand_columns_per_architecture():
     assert [lora_expand_block_n(m, "hip", None) for m in (16, 128)] == [64, 64]
 
 
-@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("path", PATHS)
 def test_adapters_with_the_chunked_sort(path, monkeypatch):
     # Where sort_chunk_size picks the two-launch sort (large batches of many experts), the count of tokens
     # with an adapter moves to its second launch: 16-entry chunks here, mixed adapters, then none.
