@@ -5,7 +5,8 @@ the fused path; a three-launch two-stage path where it measures faster).
 * :func:`fused_moe` - sort + one fused kernel (gate+up GEMM, activation, routing weight,
   down GEMM with atomic adds), or sort + two stages for large batches;
 * :func:`prepare_weights` - one-time conversion of expert weights to the prepared layout;
-* :class:`MoELoRA` / :func:`prepare_lora` - multi-LoRA adapters (inside the fused kernel, or beside the two stages);
+* :class:`MoELoRA` / :func:`prepare_lora` - multi-LoRA adapters (inside the fused kernel; on the two-stage path
+  inside the stages at decode sizes, else beside them);
 * :mod:`fmoe2.reference` - pure-torch references of both ops.
 """
 from .gemm import (FusedMoEConfig, MoELoRA, PreparedMoELoRA, PreparedMoEWeights, fused_moe, get_config, prepare_lora,

@@ -276,6 +276,10 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
                         **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
     if config.path == "two_stage":
+        if problem.lora is not None:  # the stages as fused_moe runs them with adapters (lora_in_stages)
+            config = fit_lora_config_to_problem(config, M, E, H, inter, topk, dtype,
+                                                TARGET_MULTIPROCESSORS[target_name], backend,
+                                                TARGET_SHARED_MEMORY[target_name])
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
                                             count_lora_tokens=problem.lora is not None)
         in_stages = deltas_in_stages(problem, config)

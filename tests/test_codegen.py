@@ -346,3 +346,33 @@ def test_two_stage_deltas_in_the_stages_compile_within_shared_memory():
             assert rep["spill_instructions"] <= limit, rep
         else:
             assert no_spills(rep), rep
+
+
+def test_codegen_reports_the_stages_as_fused_moe_runs_them_with_adapters(monkeypatch):
+    # With adapters the two-stage picks are fitted like fused_moe's (fit_lora_config_to_problem): at
+    # Mixtral M=1 the H200's tuned pick (64-column stage 1, 4 stages) runs stage 1 at 128 columns and
+    # 3 LoRA stages. Compilation is stubbed out: this checks the configs the report compiles.
+    import torch
+
+    import fmoe2.codegen as codegen
+    import fmoe2.gemm.config as config_module
+    from fmoe2 import FusedMoEConfig
+
+    h200 = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_stages=4, tma=True, path="two_stage",
+                          S2_BLOCK_N=128, S2_BLOCK_K=128, S2_GROUP_M=1, s2_num_warps=4, s2_num_stages=4, S2_SPLIT_K=2)
+    real = config_module._pick_config
+
+    def pick(M, E, H, I, topk, dtype, device, backend, arch, path, *rest):  # as from a tuned file
+        return h200 if path in ("auto", "two_stage") else real(M, E, H, I, topk, dtype, device, backend, arch, path,
+                                                              *rest)
+
+    monkeypatch.setattr(config_module, "_pick_config", pick)
+    monkeypatch.setattr(codegen, "_compile", lambda *a, **k: {})
+    reports = {r["kernel"]: r for r in codegen.codegen_report("sm_90", (8, 4096, 14336, 2), 1, lora_rank=16)}
+    expected = config_module.get_config(1, 8, 4096, 14336, 2, torch.bfloat16, lora=True)
+    assert (expected.BLOCK_N, expected.lora_num_stages) == (128, 3)
+    for kernel in ("fused_moe_stage1_lora", "moe_stage2_lora"):  # the deltas in the stages: no LoRA launches
+        assert reports[kernel]["config"] == expected.to_dict(), kernel
+    assert not any(k.startswith("lora_") for k in reports)
+    plain = {r["kernel"]: r for r in codegen.codegen_report("sm_90", (8, 4096, 14336, 2), 1)}
+    assert plain["fused_moe_stage1"]["config"] == h200.to_dict()

@@ -186,10 +186,11 @@ def _arch_key(device) -> Optional[str]:
 
 def lora_in_stages(cfg: FusedMoEConfig, M: int, E: int, topk: int) -> bool:
     """Whether a forward with adapters on ``cfg`` computes the adapter deltas inside the two stages of
-    the two-stage path (stage 1 the gate/up deltas in its K loop as the fused kernel does, stage 2
-    the down deltas in its own): up to ``LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT`` routed rows per
-    expert. Beyond it every stage-1 program's repeated shrink over H (and stage 2's over its share
-    of I) costs more than the LoRA shrink and expand launches of ``fmoe2/gemm/lora_kernel.py``."""
+    the two-stage path (stage 1 the gate/up deltas in its K loop as the fused kernel does, and each
+    row's down shrink of its I slice; stage 2 sums those and expands them after its K loop): up to
+    ``LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT`` routed rows per expert. Beyond it every stage-1
+    program's repeated gate/up shrink over H, with more rows and adapters per tile, costs more than
+    the LoRA shrink and expand launches of ``fmoe2/gemm/lora_kernel.py``."""
     return cfg.path == "two_stage" and M * topk / E <= LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT
 
 

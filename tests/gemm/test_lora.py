@@ -88,10 +88,25 @@ def test_two_stage_mixed_adapters_match_reference(M, E, H, I, topk, prepared, dt
 
 
 @pytest.mark.parametrize("path", ["two_stage_in_stages"])
+@pytest.mark.parametrize("I,S2_SPLIT_K", [(300, 1), (300, 2), (40, 1)])
+def test_in_stages_sum_the_down_shrinks_of_every_slice(I, S2_SPLIT_K, path, monkeypatch):
+    # Stage 1 stores one down shrink per I slice, stage 2 sums them, LORA_SPLITS_PER_STEP (16 here) per
+    # load. 16-column slices (no widening): I = 300 gives 19 slices, a full step and a tail; I = 40, 3.
+    monkeypatch.setattr(config_module, "LORA_MIN_BLOCK_N", 16)
+    splits = []
+    real = fm.stage2_kernel_launch
+    monkeypatch.setattr(fm, "stage2_kernel_launch", lambda *a, **k: (
+        lambda launch: splits.append((launch[1]["num_shrink_splits"], launch[2]["LORA_SPLITS_PER_STEP"])) or launch)(
+        real(*a, **k)))
+    run_and_check(5, 4, 40, I, 2, 16, torch.float16, config=replace(SMALL_TWO_STAGE, S2_SPLIT_K=S2_SPLIT_K), seed=I)
+    assert splits == [(-(-I // 16), 16)]
+
+
+@pytest.mark.parametrize("path", ["two_stage_in_stages"])
 @pytest.mark.parametrize("M,S2_SPLIT_K", [(1, 2), (9, 3), (26, 2)])
 def test_in_stages_down_deltas_over_stage_2_shares(M, S2_SPLIT_K, path):
-    # Stage 2 in shares of I (S2_SPLIT_K): each share adds the down delta of its share's shrink, and the
-    # shares' partials sum to the whole delta. I = 72: 5 steps of 16, so the last share is shorter.
+    # Stage 2 in shares of I (S2_SPLIT_K): only the first share adds the down deltas (a second add, or
+    # none, fails the check). I = 72: 5 steps of 16, so the last share is shorter.
     cfg = replace(SMALL_TWO_STAGE, S2_SPLIT_K=S2_SPLIT_K)
     run_and_check(M, 5, 40, 72, 3, 16, torch.float16, config=cfg, seed=M)
 
@@ -185,6 +200,7 @@ def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch, out_of_ra
         return ws
 
     monkeypatch.setattr(fm.TwoStageWorkspace, "allocate", classmethod(allocate_poisoned))
+    monkeypatch.setattr(config_module, "LORA_MIN_BLOCK_N", 16)  # in the stages: 4 slices' down shrinks
     M = 37
     lora_ids = None  # run_and_check's mix: adapters 0..2 and -1
     if out_of_range_ids:  # 3 adapters: 5, 7 and -3 mean none too
