@@ -214,7 +214,8 @@ def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: i
     adapter work (:func:`lora_in_stages`) stage 1's slices are widened likewise (no atomic adds to
     cap there), then fitted. H200, 2026-11-24, Mixtral M=1 (tuned stage 1: 64 columns), rank 16,
     4 adapters, 5 interleaved rounds: stage 1 alone with mixed adapters 122.3 us with 64 columns,
-    113.8 with 128 (plain: 113.2).
+    113.8 with 128 (plain: 113.2), before stage 1 also stored the down shrinks (with them: 115.9 at
+    128 columns, plain 113.6).
     """
     one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)
     in_stages = lora_in_stages(cfg, M, E, topk)
