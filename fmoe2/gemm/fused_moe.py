@@ -476,8 +476,8 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
                     num_loras=lora.num_loras, num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0),
                     stride_lb_l=b2.stride(0), stride_lb_e=b2.stride(1), stride_lb_r=b2.stride(2))
         lora_consts = lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts)
-        # Partial shrinks loaded per step of stage 2's sum: [splits, BLOCK_M, R] fp32, 4096 elements, at least 2.
-        splits_per_step = max(2, 4096 // (config.BLOCK_M * lora.padded_rank))
+        # Partial shrinks loaded per step of stage 2's sum: [splits, BLOCK_M, R] fp32, 4096 elements.
+        splits_per_step = max(1, 4096 // (config.BLOCK_M * lora.padded_rank))
         constexprs.update(HAS_LORA=True, LORA_SPLITS_PER_STEP=splits_per_step, **lora_consts)
     return grid, args, constexprs, {**config.launch_options(backend, stage2=True), **_pdl_option(constexprs["PDL"])}
 

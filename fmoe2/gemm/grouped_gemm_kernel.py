@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..grid_dependency import gdc_wait
-from .lora_kernel import _slice_tile, _stack, _summed_shrink, _tile_slots
+from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
 
 
 @triton.jit
@@ -133,16 +133,17 @@ def _grouped_gemm_kernel(
         if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
             row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_id, row_valid,
                                                                              num_loras, True, LORA_IDS)
-            row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
-            shrink_rows = lora_shrink_ptr + offs_m.to(tl.int64) * LORA_RANK
-            b2_expert = lora_b_ptr + expert * stride_lb_e
-            for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
-                lb_rows, lb_slot, lb_used = _stack(b2_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot,
-                                                   LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
-                own = _summed_shrink(shrink_rows, row_slot, lb_slot, num_shrink_splits, stride_shrink_split, row_scale,
-                                     b2_expert.dtype.element_ty, LORA_RANK, LORA_SLOTS * LORA_RANK,
-                                     LORA_SPLITS_PER_STEP)
-                acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")
+            if num_present > 0:  # (tiles without an adapter in a batch with some: nothing to add)
+                row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
+                by_rank = _rank_sums(lora_shrink_ptr + offs_m.to(tl.int64) * LORA_RANK, row_slot >= 0,
+                                     num_shrink_splits, stride_shrink_split, LORA_RANK, LORA_SPLITS_PER_STEP)
+                b2_expert = lora_b_ptr + expert * stride_lb_e
+                for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
+                    lb_rows, lb_slot, lb_used = _stack(b2_expert, stride_lb_l, stride_lb_r, present, slot_of,
+                                                       first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                    own = _in_stack_columns(by_rank, row_slot, lb_slot, row_scale, b2_expert.dtype.element_ty,
+                                            LORA_RANK, LORA_SLOTS * LORA_RANK)
+                    acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
     c_ptrs = c_ptr + row_id[:, None] * stride_c_m + offs_n[None, :]

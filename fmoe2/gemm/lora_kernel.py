@@ -254,33 +254,42 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _summed_shrink(rows, row_slot, stack_slot, num_splits, stride_split, row_scale, dtype, LORA_RANK: tl.constexpr,
-                   STACK: tl.constexpr, SPLITS_PER_STEP: tl.constexpr):
+                   STACK: tl.constexpr):
     """[BLOCK_M, STACK]: each row's shrink (``rows`` points at one part of its entries) summed over the
-    splits, scaled, in the columns of its own slot (zeros elsewhere), in ``dtype``.
-
-    SPLITS_PER_STEP > 1 (stage 2 of the deltas in the stages, which sums one partial per I slice of
-    stage 1: a hundred or more) loads that many splits at once, each row's R entries only, and
-    places the sums in the stack's columns after the loop."""
+    splits, scaled, in the columns of its own slot (zeros elsewhere), in ``dtype``."""
+    ptrs = rows[:, None] + (tl.arange(0, STACK) % LORA_RANK)[None, :]
     mine = row_slot[:, None] == stack_slot[None, :]
-    if SPLITS_PER_STEP == 1:
-        ptrs = rows[:, None] + (tl.arange(0, STACK) % LORA_RANK)[None, :]
-        total = tl.load(ptrs, mask=mine, other=0.0)
-        for _ in range(1, num_splits):
-            ptrs += stride_split
-            total += tl.load(ptrs, mask=mine, other=0.0)
-    else:
-        ptrs = rows[None, :, None] + tl.arange(0, LORA_RANK)[None, None, :]
-        has = (row_slot >= 0)[None, :, None]
-        splits = tl.arange(0, SPLITS_PER_STEP)
-        by_rank = tl.zeros([rows.shape[0], LORA_RANK], dtype=tl.float32)
-        for first in range(0, num_splits, SPLITS_PER_STEP):
-            split = first + splits
-            step = tl.load(ptrs + (split.to(tl.int64) * stride_split)[:, None, None],
-                           mask=has & (split < num_splits)[:, None, None], other=0.0)
-            by_rank += tl.sum(step, axis=0)
-        stacked = tl.broadcast_to(by_rank[:, None, :], [rows.shape[0], STACK // LORA_RANK, LORA_RANK])
-        total = tl.where(mine, tl.reshape(stacked, [rows.shape[0], STACK]), 0.0)
+    total = tl.load(ptrs, mask=mine, other=0.0)
+    for _ in range(1, num_splits):
+        ptrs += stride_split
+        total += tl.load(ptrs, mask=mine, other=0.0)
     return (total * row_scale[:, None]).to(dtype)
+
+
+@triton.jit
+def _rank_sums(rows, has_lora, num_splits, stride_split, LORA_RANK: tl.constexpr, SPLITS_PER_STEP: tl.constexpr):
+    """[BLOCK_M, LORA_RANK] fp32: the R entries of each row with an adapter (``rows`` points at them,
+    ``has_lora`` [BLOCK_M]) summed over ``num_splits`` partials, SPLITS_PER_STEP loaded at once (stage 2
+    of the deltas in the stages sums one partial per I slice of stage 1: a hundred or more)."""
+    ptrs = rows[None, :, None] + tl.arange(0, LORA_RANK)[None, None, :]
+    splits = tl.arange(0, SPLITS_PER_STEP)
+    total = tl.zeros([rows.shape[0], LORA_RANK], dtype=tl.float32)
+    for first in range(0, num_splits, SPLITS_PER_STEP):
+        split = first + splits
+        step = tl.load(ptrs + (split.to(tl.int64) * stride_split)[:, None, None],
+                       mask=has_lora[None, :, None] & (split < num_splits)[:, None, None], other=0.0)
+        total += tl.sum(step, axis=0)
+    return total
+
+
+@triton.jit
+def _in_stack_columns(by_rank, row_slot, stack_slot, row_scale, dtype, LORA_RANK: tl.constexpr, STACK: tl.constexpr):
+    """[BLOCK_M, STACK]: each row's R values (``by_rank`` [BLOCK_M, R]) scaled, in the columns of its own
+    slot of a stack (``stack_slot`` [STACK]), zeros elsewhere, in ``dtype``."""
+    spread = tl.reshape(tl.broadcast_to(by_rank[:, None, :], [by_rank.shape[0], STACK // LORA_RANK, LORA_RANK]),
+                        [by_rank.shape[0], STACK])
+    mine = row_slot[:, None] == stack_slot[None, :]
+    return (tl.where(mine, spread, 0.0) * row_scale[:, None]).to(dtype)
 
 
 @triton.jit
@@ -339,7 +348,7 @@ def _lora_expand_kernel(
         rows = (_in_group(row_slot, first_slot, LORA_SLOTS) & row_valid)[:, None]
         if DOWN:
             own = _summed_shrink(shrink_rows, row_slot, lb_slot, num_shrink_splits, stride_shrink_split, row_scale,
-                                 dtype, LORA_RANK, STACK, 1)
+                                 dtype, LORA_RANK, STACK)
             for n0 in range(n_begin, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < n_end
@@ -349,9 +358,9 @@ def _lora_expand_kernel(
                               mask=rows & n_valid[None, :], sem="relaxed")
         else:
             own_gate = _summed_shrink(shrink_rows, row_slot, lb_slot, num_shrink_splits, stride_shrink_split,
-                                      row_scale, dtype, LORA_RANK, STACK, 1)
+                                      row_scale, dtype, LORA_RANK, STACK)
             own_up = _summed_shrink(shrink_rows + LORA_RANK, row_slot, lb_slot, num_shrink_splits,
-                                    stride_shrink_split, row_scale, dtype, LORA_RANK, STACK, 1)
+                                    stride_shrink_split, row_scale, dtype, LORA_RANK, STACK)
             for n0 in range(n_begin, n_end, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < n_end
