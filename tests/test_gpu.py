@@ -40,6 +40,23 @@ def test_realistic_shapes(shape, M, dtype):
         assert err <= REL_TOL[dtype], f"{shape} M={M} {dtype} {path}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [16, 128, 1024, 4096])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_default_configs(shape, M, dtype):
+    # The shipped defaults (no tuned file: fp32 never has one). fp32 tiles take twice the shared memory
+    # of the bf16 configs: before fit_shared_memory the H100 refused them from Qwen3 M=128 and Mixtral
+    # M=1024 up.
+    x, w1, w2, tw, ti = problem(shape, M, dtype, seed=M)
+    ref = reference32(x, w1, w2, tw, ti)
+    E, H, I, topk = SHAPES[shape]
+    for path in ("auto", "fused", "two_stage"):
+        config = fmoe2.get_config(M, E, H, I, topk, dtype, device=x.device, path=path, tuned=False)
+        out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, H, dtype, "cuda"), path=path, config=config)
+        err = rel_error(out, ref)
+        assert err <= REL_TOL[dtype], f"{shape} M={M} {dtype} {path} {config}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 def test_gelu_bf16(activation):
     x, w1, w2, tw, ti = problem("qwen3-30b-a3b", 256, torch.bfloat16, seed=1)

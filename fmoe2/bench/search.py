@@ -63,6 +63,15 @@ DECODE_TWO_STAGE = {
     "hip": (((32, 2), (64, 2)), ((64, 4, 2, 1), (128, 4, 2, 1), (128, 4, 2, 2))),
 }
 
+# Stage 1's (BLOCK_N, num_stages) tried above decode sizes (8 warps, K tiles of 64). The 4-stage
+# pipeline was added after H100 sweeps of stage 1 alone (2026-11-24, scratch runs, not committed;
+# us, BLOCK_M=128, tensor descriptors on, 3 stages at 64 / 128 columns -> 4 stages at 128): Mixtral
+# M=1024 1119.8 / 1041.8 -> 964.7, Qwen3 M=4096 489.9 / 471.3 -> 457.1, DeepSeek M=4096 637.9 /
+# 607.7 -> 583.8; no gain at up to 96 rows per expert (DeepSeek M=1024 286.0 / 291.7 -> 291.6).
+# 4 stages at 64 columns lost everywhere (542.8, 706.6, 1178.2 at those three points); 5 stages at
+# 128 columns do not fit shared memory. Stage 2 had no config off the grid faster by more than 1%.
+STAGE1_LARGE = ((64, 3), (128, 3), (128, 4))
+
 
 def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
     """fmoe2 configs to try, after the picker's own clamps (duplicates removed): the fused path
@@ -93,10 +102,10 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
                                S2_GROUP_M=1, s2_num_warps=s2_warps, s2_num_stages=s2_stages, S2_SPLIT_K=split,
                                **hip_opts))
     else:
-        for bm, bn, s2_bn, s2_stages in itertools.product(block_m_candidates(M, E, topk), (64, 128), (128, 256),
-                                                          (3, 4)):
+        for bm, (bn, stages), s2_bn, s2_stages in itertools.product(block_m_candidates(M, E, topk), STAGE1_LARGE,
+                                                                    (128, 256), (3, 4)):
             add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, BLOCK_H=128, GROUP_M=8, num_warps=8,
-                               num_stages=2 if hip else 3, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=64,
+                               num_stages=2 if hip else stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=64,
                                S2_GROUP_M=8, s2_num_warps=8, s2_num_stages=2 if hip else s2_stages, **hip_opts))
     return out
 

@@ -220,7 +220,8 @@ def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: i
     one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)
     in_stages = lora_in_stages(cfg, M, E, topk)
     if cfg.path == "fused" and cfg.BLOCK_N < LORA_MIN_BLOCK_N and not one_wave:
-        cfg = fit_config(cfg, H, I, topk, dtype, backend=backend, min_block_n=LORA_MIN_BLOCK_N)
+        cfg = fit_config(cfg, H, I, topk, dtype, backend=backend, min_block_n=LORA_MIN_BLOCK_N,
+                         shared_memory=shared_memory)
         one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)  # fewer, wider slices
     elif in_stages and cfg.BLOCK_N < LORA_MIN_BLOCK_N:
         cfg = replace(cfg, BLOCK_N=max(cfg.BLOCK_N, min(LORA_MIN_BLOCK_N, triton.next_power_of_2(I))))
@@ -236,7 +237,7 @@ def gate_up_loop_shared_bytes(cfg: FusedMoEConfig, stages: int, element_bytes: i
     204800 at 128 x 128 with 3 stages and 4 slots; this counts the widest stack, so 208896 and
     204800.)"""
     rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N + (LORA_STACK_WIDTH if lora else 0)
-    return (stages - 1) * rows * cfg.BLOCK_K * element_bytes
+    return pipelined_loop_bytes(stages, rows * cfg.BLOCK_K, element_bytes)
 
 
 def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DEFAULT_SHARED_MEMORY,
@@ -314,13 +315,16 @@ def _fit_gate_up_shared_memory(fitted: FusedMoEConfig, shared_memory: int, eleme
 
 
 def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",
-               backend: Optional[str] = None, min_block_n: int = 16) -> FusedMoEConfig:
+               backend: Optional[str] = None, min_block_n: int = 16,
+               shared_memory: int = DEFAULT_SHARED_MEMORY) -> FusedMoEConfig:
     """Clamps a config to the problem (see the module docstring); every config used goes through here.
 
     ``path`` ("fused"/"two_stage") switches the config's path first; "auto" keeps it. ``backend``
     ("cuda"/"hip", default: this machine's) sets the shared-memory budget of widened configs.
     ``min_block_n``: a fused config's slices are widened to at least this many columns (within
-    ``next_pow2(I)``), with the same budgets as the atomic-add cap's widening.
+    ``next_pow2(I)``), with the same budgets as the atomic-add cap's widening. Last, the loops'
+    buffers are fitted to ``shared_memory`` bytes per program for ``dtype``
+    (:func:`fit_shared_memory`).
     """
     backend = backend or current_backend()
     if path not in ("auto", cfg.path):
@@ -358,9 +362,51 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
         s2_split_k = max(1, min(s2_split_k, MAX_ATOMIC_ADDS // topk))
     s2_steps = triton.cdiv(I, s2_block_k)
     s2_split_k = triton.cdiv(s2_steps, triton.cdiv(s2_steps, s2_split_k))
-    return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
-                   num_warps=num_warps, num_stages=num_stages,
-                   S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=s2_block_k, S2_SPLIT_K=s2_split_k)
+    cfg = replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
+                  num_warps=num_warps, num_stages=num_stages,
+                  S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=s2_block_k, S2_SPLIT_K=s2_split_k)
+    return fit_shared_memory(cfg, dtype.itemsize, shared_memory)
+
+
+def pipelined_loop_bytes(stages: int, tile_elements: int, element_bytes: int) -> int:
+    """Shared memory of a software-pipelined loop: ``stages - 1`` buffers of the tiles it loads
+    (``tile_elements`` per step). Matches what Triton asked for at launch on the H100 with fp32
+    inputs, 2026-11-24: 278528 bytes for a gate/up loop of (16 + 2 x 128) x 128 elements with 3
+    stages, 294912 for stage 2's (128 + 256) x 64 with 4 stages."""
+    return (stages - 1) * tile_elements * element_bytes
+
+
+def fit_shared_memory(cfg: FusedMoEConfig, element_bytes: int, shared_memory: int = DEFAULT_SHARED_MEMORY
+                      ) -> FusedMoEConfig:
+    """A config whose loops fit ``shared_memory`` bytes per program with inputs of ``element_bytes``:
+    pipeline stages come down first (to 2), then the K tile (or the down loop's BLOCK_H) is halved.
+
+    Loops (tiles loaded per step): the gate/up loop of the fused kernel and of stage 1,
+    ``(BLOCK_M + 2 * BLOCK_N) x BLOCK_K``; the fused kernel's down loop, ``BLOCK_H x BLOCK_N`` (same
+    ``num_stages``); stage 2, ``(BLOCK_M + S2_BLOCK_N) x S2_BLOCK_K``. The configs tuned and shipped
+    for bf16/fp16 fit as they are; fp32 inputs double the bytes (on the H100, 2026-11-24, the default
+    configs then failed to launch from 8 routed rows per expert up: out of shared memory)."""
+    def fits(stages, elements):
+        return pipelined_loop_bytes(stages, elements, element_bytes) <= shared_memory
+
+    stages, block_k, block_h = cfg.num_stages, cfg.BLOCK_K, cfg.BLOCK_H
+    gate_up_rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N
+    while stages > 2 and not fits(stages, gate_up_rows * block_k):
+        stages -= 1
+    while block_k > 16 and not fits(stages, gate_up_rows * block_k):
+        block_k //= 2
+    if cfg.path == "fused":
+        while block_h > 16 and not fits(stages, block_h * cfg.BLOCK_N):
+            block_h //= 2
+    s2_stages, s2_block_k = cfg.s2_num_stages, cfg.S2_BLOCK_K
+    if cfg.path == "two_stage":
+        s2_rows = cfg.BLOCK_M + cfg.S2_BLOCK_N
+        while s2_stages > 2 and not fits(s2_stages, s2_rows * s2_block_k):
+            s2_stages -= 1
+        while s2_block_k > 16 and not fits(s2_stages, s2_rows * s2_block_k):
+            s2_block_k //= 2
+    return replace(cfg, num_stages=stages, BLOCK_K=block_k, BLOCK_H=block_h, s2_num_stages=s2_stages,
+                   S2_BLOCK_K=s2_block_k)
 
 
 def get_config(
@@ -400,15 +446,17 @@ def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_di
     # Tuned files belong to the GPU that is here: not used when configs for another backend/arch are asked.
     foreign = (backend is not None and backend != current_backend()) or arch is not None
     backend = backend or current_backend()
+    shared_memory = DEFAULT_SHARED_MEMORY if foreign else shared_memory_per_program(device)
     tuned_file = None if foreign or not tuned else _load_json(
         os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
     if tuned_file:
         nearest = min(tuned_file, key=lambda m: (abs(int(m) - M), int(m)))
-        return fit_config(FusedMoEConfig.from_dict(tuned_file[nearest]), H, I, topk, dtype, path, backend)
+        return fit_config(FusedMoEConfig.from_dict(tuned_file[nearest]), H, I, topk, dtype, path, backend,
+                          shared_memory=shared_memory)
 
     defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
         os.path.join(CONFIG_DIR, "defaults.json"))
     rules = defaults.get(arch or _arch_key(device) or "", None) or defaults[backend]
     tokens_per_expert = M * topk / E
     rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])
-    return fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype, path, backend)
+    return fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype, path, backend, shared_memory=shared_memory)

@@ -561,7 +561,8 @@ def fused_moe(
 def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto") -> FusedMoEConfig:
     """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
     (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config`)."""
-    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path)
+    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path,
+                        shared_memory=shared_memory_per_program(problem.x.device))
     if problem.lora is None:
         return config
     return fit_lora_config_to_problem(config, problem.x.shape[0], problem.num_experts, problem.hidden_size,

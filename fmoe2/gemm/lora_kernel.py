@@ -31,7 +31,14 @@ which cost stage 1 a third of its resident programs: tiles without adapters ran 
 (H100, DeepSeek-V2-Lite and Mixtral, M=1024; an fp32 FMA expand kept the shared memory but not the
 registers and ran slower still). Adding a ready delta keeps stage 1's footprint (sm_90, tuned H100
 configs: 64 registers as plain for DeepSeek and Mixtral, 106 vs 105 for Qwen3, same shared
-memory) and leaves stage 2 untouched.
+memory) and leaves stage 2 untouched. The down expand was also tried inside stage 2 (its HAS_LORA
+steps fed the down shrink's partials, no ``_lora_expand_kernel`` launch for down; H100,
+2026-11-24, scratch run, rank 16, 4 adapters): stage 2 compiled with those steps ran slower even
+where no row had an adapter (Qwen3 M=1024 258.7 us against 164.2 plain, while the expand launch
+it saved took 26.9; DeepSeek M=4096 406.6 against 293.9, saving 54.3), and whole forwards over
+plain went from 1.235x / 1.017x (mixed / every token -1) to 1.323x / 1.065x at DeepSeek M=1024,
+from 1.247x / 1.012x to 1.381x / 1.069x at Qwen3 M=1024, from 1.086x / 1.008x to 1.120x / 1.041x
+at Mixtral M=128.
 """
 import triton
 import triton.language as tl

@@ -30,6 +30,8 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         assert all(topk * c.S2_SPLIT_K <= MAX_ATOMIC_ADDS for c in two_stage)
         # K shares for stage 2 are tried at decode sizes only (at Mixtral M=128 they were slower).
         assert any(c.S2_SPLIT_K > 1 for c in two_stage) == (M * topk / E <= 16)
+        # Above decode sizes stage 1 is also tried with 4 pipeline stages at 128 columns (STAGE1_LARGE).
+        assert any(c.num_stages == 4 and c.BLOCK_N == 128 for c in two_stage) == (M * topk / E > 16)
 
 
 def test_search_tries_tiles_taller_than_the_rows_per_expert():

@@ -275,6 +275,51 @@ def test_fit_lora_config_keeps_the_lora_loops_within_shared_memory():
     assert fit_lora_config(narrow, True, shared_memory=166912).lora_num_stages == 3
 
 
+def test_plain_loops_fit_shared_memory_for_the_input_dtype(tmp_path):
+    import glob
+    import os
+
+    import fmoe2.shapes
+    from fmoe2.gemm.config import CONFIG_DIR, fit_shared_memory, pipelined_loop_bytes
+    from fmoe2.multiprocessors import DEFAULT_SHARED_MEMORY
+
+    # What Triton asked for at launch on the H100 with fp32 inputs (both failed there before the fit).
+    assert pipelined_loop_bytes(3, (16 + 2 * 128) * 128, 4) == 278528
+    assert pipelined_loop_bytes(4, (128 + 256) * 64, 4) == 294912
+    # Every shipped tuned config (bf16) fits as it is.
+    tuned = glob.glob(os.path.join(CONFIG_DIR, "*", "*.json"))
+    assert tuned
+    for path in tuned:
+        with open(path) as f:
+            for entry in json.load(f).values():
+                cfg = FusedMoEConfig.from_dict(entry)
+                assert fit_shared_memory(cfg, 2) == cfg, (path, entry)
+    # Defaults: unchanged for bf16; for fp32 every loop of every pick fits.
+    cpu = torch.device("cpu")
+    for E, H, I, topk in fmoe2.shapes.SHAPES.values():
+        for M in (1, 16, 128, 1024, 4096, 16384):
+            for path in ("auto", "fused", "two_stage"):
+                bf16 = get_config(M, E, H, I, topk, torch.bfloat16, backend="cuda", device=cpu, tuned=False,
+                                  path=path)
+                assert fit_shared_memory(bf16, 2) == bf16
+                cfg = get_config(M, E, H, I, topk, torch.float32, backend="cuda", device=cpu, tuned=False, path=path)
+                loops = [(cfg.num_stages, (cfg.BLOCK_M + 2 * cfg.BLOCK_N) * cfg.BLOCK_K)]
+                loops.append((cfg.num_stages, cfg.BLOCK_H * cfg.BLOCK_N) if cfg.path == "fused" else
+                             (cfg.s2_num_stages, (cfg.BLOCK_M + cfg.S2_BLOCK_N) * cfg.S2_BLOCK_K))
+                assert all(pipelined_loop_bytes(st, n, 4) <= DEFAULT_SHARED_MEMORY for st, n in loops), (M, cfg)
+                assert cfg.num_stages >= 2 and cfg.s2_num_stages >= 2
+    # Stages come down first (to 2), then K tiles halve; stage 2 alike.
+    wide = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_warps=8, num_stages=3)
+    assert (fit_shared_memory(wide, 4).num_stages, fit_shared_memory(wide, 4).BLOCK_K) == (2, 128)
+    assert (fit_shared_memory(wide, 4, 100_000).num_stages, fit_shared_memory(wide, 4, 100_000).BLOCK_K) == (2, 64)
+    two = FusedMoEConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_H=128, GROUP_M=8, num_warps=8, num_stages=4,
+                         path="two_stage", S2_BLOCK_N=256, S2_BLOCK_K=64, s2_num_stages=4)
+    fitted = fit_shared_memory(two, 4)
+    assert (fitted.num_stages, fitted.BLOCK_K, fitted.s2_num_stages, fitted.S2_BLOCK_K) == (3, 64, 3, 64)
+    # A caller's config is fitted too (fused_moe, through fit_given_config).
+    assert fit_config(two, 2048, 768, 8, torch.float32) == fitted
+
+
 def test_lora_fit_widens_narrow_fused_slices_beyond_one_wave(tmp_path):
     # Every slice program of a tile reads the tile's gate/up A over all of H: with adapters, fused slices
     # beyond one wave are LORA_MIN_BLOCK_N wide (H200 Qwen3 M=16: 64 columns ran mixed adapters 1.36x of
