@@ -19,7 +19,8 @@ A widened config keeps weight tiles of up to ``MAX_WEIGHT_TILE`` elements (BLOCK
 BLOCK_N=256) with enough warps to hold them, and no more pipeline stages than the backend's
 shared memory takes (``PIPELINE_ELEMENTS``). Measured on an H200 against the tuned configs:
 16384-element tiles (BLOCK_K=32) made the Mixtral defaults 1.44-1.53x slower than tuned at
-M=1/16/128; 32768-element tiles bring them within 1.03x there (1.09x on the H100).
+M=1/16/128; 32768-element tiles bring them within 1.03x there (1.09x on the H100). Last, every
+config's loops are fitted to the GPU's shared memory for the input dtype (:func:`fit_shared_memory`).
 """
 from __future__ import annotations
 
