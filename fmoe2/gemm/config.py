@@ -380,32 +380,32 @@ def pipelined_loop_bytes(stages: int, tile_elements: int, element_bytes: int) ->
 def fit_shared_memory(cfg: FusedMoEConfig, element_bytes: int, shared_memory: int = DEFAULT_SHARED_MEMORY
                       ) -> FusedMoEConfig:
     """A config whose loops fit ``shared_memory`` bytes per program with inputs of ``element_bytes``:
-    pipeline stages come down first (to 2), then the K tile (or the down loop's BLOCK_H) is halved.
+    per loop, pipeline stages come down first (to 2), then its K tile (the down loop's BLOCK_H) is
+    halved (not under 16).
 
     Loops (tiles loaded per step): the gate/up loop of the fused kernel and of stage 1,
     ``(BLOCK_M + 2 * BLOCK_N) x BLOCK_K``; the fused kernel's down loop, ``BLOCK_H x BLOCK_N`` (same
     ``num_stages``); stage 2, ``(BLOCK_M + S2_BLOCK_N) x S2_BLOCK_K``. The configs tuned and shipped
     for bf16/fp16 fit as they are; fp32 inputs double the bytes (on the H100, 2026-11-24, the default
     configs then failed to launch from 8 routed rows per expert up: out of shared memory)."""
-    def fits(stages, elements):
-        return pipelined_loop_bytes(stages, elements, element_bytes) <= shared_memory
+    def trim(stages, block, loop_bytes):
+        while stages > 2 and loop_bytes(stages, block) > shared_memory:
+            stages -= 1
+        while block > 16 and loop_bytes(stages, block) > shared_memory:
+            block //= 2
+        return stages, block
 
-    stages, block_k, block_h = cfg.num_stages, cfg.BLOCK_K, cfg.BLOCK_H
-    gate_up_rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N
-    while stages > 2 and not fits(stages, gate_up_rows * block_k):
-        stages -= 1
-    while block_k > 16 and not fits(stages, gate_up_rows * block_k):
-        block_k //= 2
+    gate_up_rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N  # gate_up_loop_shared_bytes(lora=False), per K column
+    stages, block_k = trim(cfg.num_stages, cfg.BLOCK_K, lambda st, bk: pipelined_loop_bytes(st, gate_up_rows * bk,
+                                                                                            element_bytes))
+    block_h, s2_stages, s2_block_k = cfg.BLOCK_H, cfg.s2_num_stages, cfg.S2_BLOCK_K
     if cfg.path == "fused":
-        while block_h > 16 and not fits(stages, block_h * cfg.BLOCK_N):
-            block_h //= 2
-    s2_stages, s2_block_k = cfg.s2_num_stages, cfg.S2_BLOCK_K
-    if cfg.path == "two_stage":
+        stages, block_h = trim(stages, block_h, lambda st, bh: pipelined_loop_bytes(st, bh * cfg.BLOCK_N,
+                                                                                     element_bytes))
+    else:
         s2_rows = cfg.BLOCK_M + cfg.S2_BLOCK_N
-        while s2_stages > 2 and not fits(s2_stages, s2_rows * s2_block_k):
-            s2_stages -= 1
-        while s2_block_k > 16 and not fits(s2_stages, s2_rows * s2_block_k):
-            s2_block_k //= 2
+        s2_stages, s2_block_k = trim(s2_stages, s2_block_k, lambda st, bk: pipelined_loop_bytes(st, s2_rows * bk,
+                                                                                                element_bytes))
     return replace(cfg, num_stages=stages, BLOCK_K=block_k, BLOCK_H=block_h, s2_num_stages=s2_stages,
                    S2_BLOCK_K=s2_block_k)
 

@@ -275,7 +275,7 @@ def test_fit_lora_config_keeps_the_lora_loops_within_shared_memory():
     assert fit_lora_config(narrow, True, shared_memory=166912).lora_num_stages == 3
 
 
-def test_plain_loops_fit_shared_memory_for_the_input_dtype(tmp_path):
+def test_plain_loops_fit_shared_memory_for_the_input_dtype():
     import glob
     import os
 
