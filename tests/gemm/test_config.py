@@ -27,6 +27,11 @@ def test_cuda_defaults_give_tiles_as_tall_as_the_rows_per_expert():
     for M, E, H, I, topk in ((1024, 64, 2048, 1408, 6), (1024, 8, 4096, 14336, 2), (4096, 64, 2048, 1408, 6)):
         cfg = pick(M, E, H, I, topk)  # 96, 256 and 384 rows per expert
         assert cfg.BLOCK_M == 128 and cfg.path == "two_stage", (M, E, cfg)
+    # Above 128 rows per expert stage 1 takes 128 columns and 4 stages (H100 sweeps, see defaults.json);
+    # at 96 (DeepSeek M=1024) 64 columns and 3 stages stay.
+    assert [(c.BLOCK_N, c.num_stages) for c in (pick(1024, 8, 4096, 14336, 2), pick(4096, 64, 2048, 1408, 6))] == \
+        [(128, 4), (128, 4)]
+    assert (pick(1024, 64, 2048, 1408, 6).BLOCK_N, pick(1024, 64, 2048, 1408, 6).num_stages) == (64, 3)
 
 
 def test_hip_options_only_on_hip():
