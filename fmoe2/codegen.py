@@ -1,6 +1,6 @@
 """Code-generation report: compile fmoe2's kernels for a GPU that is not there and read the code.
 
-    python -m fmoe2.codegen --target {sm_80,sm_90,gfx942,gfx950} [--shape E,H,I,topk] [--m 1,4096]
+    python -m fmoe2.codegen --target {sm_80,sm_90,sm_100,gfx90a,gfx942,gfx950} [--shape E,H,I,topk] [--m 1,4096]
                             [--lora-rank 16 --num-loras 4]
 
 For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
