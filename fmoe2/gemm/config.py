@@ -395,9 +395,8 @@ def fit_shared_memory(cfg: FusedMoEConfig, element_bytes: int, shared_memory: in
             block //= 2
         return stages, block
 
-    gate_up_rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N  # gate_up_loop_shared_bytes(lora=False), per K column
-    stages, block_k = trim(cfg.num_stages, cfg.BLOCK_K, lambda st, bk: pipelined_loop_bytes(st, gate_up_rows * bk,
-                                                                                            element_bytes))
+    stages, block_k = trim(cfg.num_stages, cfg.BLOCK_K, lambda st, bk: gate_up_loop_shared_bytes(
+        replace(cfg, BLOCK_K=bk), st, element_bytes, lora=False))
     block_h, s2_stages, s2_block_k = cfg.BLOCK_H, cfg.s2_num_stages, cfg.S2_BLOCK_K
     if cfg.path == "fused":
         stages, block_h = trim(stages, block_h, lambda st, bh: pipelined_loop_bytes(st, bh * cfg.BLOCK_N,
