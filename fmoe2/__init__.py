@@ -7,12 +7,28 @@ the fused path; a three-launch two-stage path where it measures faster).
 * :func:`prepare_weights` - one-time conversion of expert weights to the prepared layout;
 * :class:`MoELoRA` / :func:`prepare_lora` - multi-LoRA adapters (inside the fused kernel; on the two-stage path
   inside the stages at decode sizes, else beside them);
-* :mod:`fmoe2.reference` - pure-torch references of both ops.
+* :mod:`fmoe2.reference` - pure-torch references of both ops;
+* ``torch.ops.fmoe2.fused_moe`` / ``torch.ops.fmoe2.moe_sorting`` - the same ops for
+  ``torch.compile`` (:mod:`fmoe2.ops`; the functions above route to them while being traced).
+
+A call whose shapes, dtypes and devices were seen before reuses that call's plan (config, buffer
+layout, launches bound to their compiled kernels): :func:`clear_plan_cache` drops them.
 """
 from .gemm import (FusedMoEConfig, MoELoRA, PreparedMoELoRA, PreparedMoEWeights, fused_moe, get_config, prepare_lora,
                    prepare_weights)
 from .reference import fused_moe_reference, moe_sorting_reference
 from .sorting import MoESortingResult, moe_sorting
+from . import ops  # noqa: F401  (registers torch.ops.fmoe2.*)
+
+
+def clear_plan_cache() -> None:
+    """Drops the cached plans of :func:`fused_moe` and :func:`moe_sorting` (rebuilt on the next call)."""
+    from .gemm.fused_moe import PLANS
+    from .sorting.moe_sorting import SORT_PLANS
+
+    PLANS.clear()
+    SORT_PLANS.clear()
+
 
 __version__ = "0.1.0"
 __all__ = [
@@ -28,4 +44,5 @@ __all__ = [
     "get_config",
     "fused_moe_reference",
     "moe_sorting_reference",
+    "clear_plan_cache",
 ]

@@ -20,7 +20,8 @@ def _needs_interpreter() -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fmoe2", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fmoe2", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shape", default=None, help="E,H,I,topk (default: 128,2048,768,8 on GPU; 6,72,40,3 on CPU)")
     parser.add_argument("--m", type=int, default=None, help="tokens (default: 256 on GPU; 37 on CPU)")
     parser.add_argument("--seed", type=int, default=0)

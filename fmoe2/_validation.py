@@ -95,3 +95,13 @@ def check_no_overlap(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor)
     b1 = b0 + b.numel() * b.element_size()
     if a.numel() and b.numel() and a0 < b1 and b0 < a1:
         raise ValueError(f"{name_a} overlaps {name_b} in memory; fmoe2 zeroes {name_a} before reading {name_b}")
+
+
+def check_out_overlaps_at(names, addresses, nbytes, out_index: int) -> None:
+    """:func:`check_out_overlaps` on device addresses and byte sizes (0 bytes: absent), ``out`` the
+    ``out_index``-th: what a cached plan checks per call, without creating tensors."""
+    out_start = addresses[out_index]
+    out_end = out_start + nbytes[out_index]
+    for i, (name, start, size) in enumerate(zip(names, addresses, nbytes)):
+        if size and i != out_index and start < out_end and out_start < start + size:
+            raise ValueError(f"out overlaps {name} in memory; fmoe2 zeroes out before reading {name}")

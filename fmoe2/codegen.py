@@ -33,32 +33,22 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm.config import fit_lora_config_to_problem, get_config
-from .gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fused_kernel_launch, lora_expand_launch,
-                             deltas_in_stages, lora_shrink_launch, stage2_kernel_launch)
-from .gemm.fused_moe_kernel import _fused_moe_kernel
-from .gemm.grouped_gemm_kernel import _grouped_gemm_kernel
+from .gemm.launches import (MoEProblem, TwoStageWorkspace, deltas_in_stages, fused_kernel_launch, lora_expand_launch,
+                            lora_shrink_launch, stage2_kernel_launch)
 from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
-from .gemm.lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
+from .launch import LaunchSpec
 from .shapes import SHAPES
-from .sorting.moe_sorting import (MoESortingResult, _count_chunk_keys_kernel, _moe_sorting_kernel, count_kernel_launch,
-                                  sort_programs, sorting_kernel_launch)
+from .sorting.moe_sorting import MoESortingResult, sort_launch_specs
+from .target import NAMED_TARGETS
 
-TARGETS = {
-    "sm_80": GPUTarget("cuda", 80, 32),
-    "sm_90": GPUTarget("cuda", 90, 32),
-    "sm_100": GPUTarget("cuda", 100, 32),
-    "gfx90a": GPUTarget("hip", "gfx90a", 64),
-    "gfx942": GPUTarget("hip", "gfx942", 64),
-    "gfx950": GPUTarget("hip", "gfx950", 64),
-}
-# Multiprocessors (compute units) of a GPU of each target, for the one-wave rule of fit_lora_config:
-# A100, H100/H200 SXM, B200, MI250X (one die), MI300X, MI355X.
-TARGET_MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132, "sm_100": 148, "gfx90a": 110, "gfx942": 304, "gfx950": 256}
-# Shared memory (LDS) one program may take on a GPU of each target, for the LoRA fit's pipeline stages:
-# A100 163 KiB, H100/H200 and B200 227 KiB, MI250X/MI300X 64 KiB, MI355X 160 KiB.
-TARGET_SHARED_MEMORY = {"sm_80": 166912, "sm_90": 232448, "sm_100": 232448, "gfx90a": 65536, "gfx942": 65536,
-                        "gfx950": 163840}
+# Triton's compile targets of the named GPUs (fmoe2.target.NAMED_TARGETS: A100, H100/H200 SXM, B200,
+# MI250X (one die), MI300X, MI355X).
+TARGETS = {name: GPUTarget(t.backend, t.arch, 32 if t.backend == "cuda" else 64) for name, t in NAMED_TARGETS.items()}
+# Multiprocessors (compute units) and shared memory (LDS) per program of a GPU of each target, for the
+# one-wave rule and the pipeline stages of the LoRA fit.
+TARGET_MULTIPROCESSORS = {name: t.num_sms for name, t in NAMED_TARGETS.items()}
+TARGET_SHARED_MEMORY = {name: t.shared_memory for name, t in NAMED_TARGETS.items()}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64"}
@@ -179,6 +169,11 @@ def _report_hip(compiled) -> dict:
     }
 
 
+def _compile_spec(spec: LaunchSpec, target: GPUTarget) -> dict:
+    """:func:`_compile` of a launch description."""
+    return _compile(spec.kernel, spec.grid, spec.args, spec.constexprs, spec.options, target)
+
+
 def _compile(fn, grid, args, constexprs, options, target: GPUTarget) -> dict:
     signature, attrs, constexprs = _signature(fn, args, constexprs, target.backend)
     t0 = time.time()
@@ -217,6 +212,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     with ``pdl=True`` (programmatic dependent launch).
     """
     target = TARGETS[target_name]
+    named = NAMED_TARGETS[target_name]
     backend = target.backend
     E, H, inter, topk = shape
     meta = dict(device="meta")
@@ -233,79 +229,65 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     pick = dict(backend=backend, arch=target.arch if backend == "hip" else None)
     config = get_config(M, E, H, inter, topk, dtype, **pick)
     fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
-    # griddepcontrol needs sm_90 (fused_moe checks the GPU; here the target decides, also for a tuned pdl=True)
-    sm90 = backend == "cuda" and target.arch >= 90
-    cuda_arch = target.arch if backend == "cuda" else None
+    # griddepcontrol needs sm_90 (the launches check the target's, also for a tuned pdl=True)
+    sm90 = named.has_grid_dependency_control
     config, fused_config = (replace(c, tma=c.tma or tma, pdl=(c.pdl or pdl) and sm90) for c in (config, fused_config))
     pdl = fused_config.pdl
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
     reports = []
-    # The sort's programs per expert and warps as on a GPU of this target (on meta tensors the
-    # launcher would pick those of a run without a GPU); the chunked sort's do not depend on it.
-    num_parts, num_warps = sort_programs(E, M * topk, TARGET_MULTIPROCESSORS[target_name])
 
     def sort_reports(name, sorting, **lora_args):
-        programs = {} if sorting.chunk_size else dict(num_parts=num_parts, num_warps=num_warps)
-        grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, E, None, sorting, x,
-                                                                launch_dependents=pdl, **lora_args, **programs)
-        if sorting.chunk_size:
-            reports.append({"kernel": name + "_count", **common,
-                            **_compile(_count_chunk_keys_kernel, *count_kernel_launch(args, constexprs), target)})
-        reports.append({"kernel": name, **common, "chunk_size": sorting.chunk_size,
-                        **_compile(_moe_sorting_kernel, grid, args, constexprs, options, target)})
+        for spec in sort_launch_specs(topk_ids, topk_weights, E, None, sorting, x, launch_dependents=pdl,
+                                      num_compute_units=named.num_sms, **lora_args):
+            kernel = name + "_count" if spec.name == "sort_count" else name
+            extra = {} if spec.name == "sort_count" else {"chunk_size": sorting.chunk_size}
+            reports.append({"kernel": kernel, **common, **extra, **_compile_spec(spec, target)})
 
     sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
     sort_reports("moe_sorting", sorting)
-    grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, fused_config, backend)
     reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
-                    **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+                    **_compile_spec(fused_kernel_launch(problem, x, sorting, activation, fused_config, named), target)})
     suffix = ""
     if lora_rank:
         problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
         problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
         common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
         suffix = "_lora"
-        lora_config = fit_lora_config_to_problem(fused_config, M, E, H, inter, topk, dtype,
-                                                 TARGET_MULTIPROCESSORS[target_name], backend,
-                                                 TARGET_SHARED_MEMORY[target_name])
+        lora_config = fit_lora_config_to_problem(fused_config, M, E, H, inter, topk, dtype, named.num_sms, backend,
+                                                 named.shared_memory)
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         sort_reports("moe_sorting_lora", sorting, token_lora_ids=problem.token_lora_ids, num_loras=num_loras)
-        grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, lora_config, backend)
         reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
-                        **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
+                        **_compile_spec(fused_kernel_launch(problem, x, sorting, activation, lora_config, named),
+                                        target)})
     if config.path == "two_stage":
         if problem.lora is not None:  # the stages as fused_moe runs them with adapters (lora_in_stages)
-            config = fit_lora_config_to_problem(config, M, E, H, inter, topk, dtype,
-                                                TARGET_MULTIPROCESSORS[target_name], backend,
-                                                TARGET_SHARED_MEMORY[target_name])
+            config = fit_lora_config_to_problem(config, M, E, H, inter, topk, dtype, named.num_sms, backend,
+                                                named.shared_memory)
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
                                             count_lora_tokens=problem.lora is not None)
         in_stages = deltas_in_stages(problem, config)
-        workspace = TwoStageWorkspace.allocate(problem, sorting, config)
+        workspace = TwoStageWorkspace.allocate(problem, sorting, config, named)
         if problem.lora is not None and not in_stages:
-            for down, part in ((False, "13"), (True, "2")):
-                for name, kernel, launch in (
-                        ("lora_shrink", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down,
-                                                                                 backend, cuda_arch, config.pdl)),
-                        ("lora_expand", _lora_expand_kernel, lora_expand_launch(problem, sorting, workspace, x, down,
-                                                                                 backend, cuda_arch, config.pdl))):
-                    grid, args, constexprs, options = launch
-                    reports.append({"kernel": name + part, **common, "config": config.to_dict(),
-                                    **_compile(kernel, grid, args, constexprs, options, target)})
-        grid, args, constexprs, options = fused_kernel_launch(problem, x, sorting, activation, config, backend,
-                                                              workspace)
+            for down in (False, True):
+                for spec in (lora_shrink_launch(problem, sorting, workspace, down, named, config.pdl),
+                             lora_expand_launch(problem, sorting, workspace, x, down, named, config.pdl)):
+                    reports.append({"kernel": spec.name, **common, "config": config.to_dict(),
+                                    **_compile_spec(spec, target)})
+        spec = fused_kernel_launch(problem, x, sorting, activation, config, named, workspace)
         reports.append({"kernel": "fused_moe_stage1" + suffix, **common, "config": config.to_dict(),
-                        **_compile(_fused_moe_kernel, grid, args, constexprs, options, target)})
-        grid, args, constexprs, options = stage2_kernel_launch(problem, x, sorting, workspace, config, backend)
+                        **_compile_spec(spec, target)})
+        spec = stage2_kernel_launch(problem, x, sorting, workspace, config, named)
         reports.append({"kernel": "moe_stage2" + (suffix if in_stages else ""), **common, "config": config.to_dict(),
-                        **_compile(_grouped_gemm_kernel, grid, args, constexprs, options, target)})
+                        **_compile_spec(spec, target)})
     return reports
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fmoe2.codegen", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fmoe2.codegen", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--target", required=True, choices=sorted(TARGETS))
     parser.add_argument("--shape", default="mixtral-8x7b",
                         help=f"one of {sorted(SHAPES)} or E,H,I,topk (default mixtral-8x7b)")

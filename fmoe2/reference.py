@@ -9,17 +9,27 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
+SWIGLU_ALPHA = 1.702  # gpt-oss's default (GptOssConfig.swiglu_alpha)
 
 
-def apply_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate)`` for the gated MLP: silu (SwiGLU), gelu (erf GeGLU), gelu_tanh (tanh GeGLU)."""
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, swiglu_alpha: float = SWIGLU_ALPHA,
+                     swiglu_limit: Optional[float] = None) -> torch.Tensor:
+    """The gated MLP's activation of the gate and up projections: ``act(gate) * up`` for silu (SwiGLU), gelu
+    (erf GeGLU) and gelu_tanh (tanh GeGLU); ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)`` for
+    swiglu_oai (gpt-oss). With ``swiglu_limit`` (silu and swiglu_oai) gate is first clamped to at most
+    the limit and up to ``[-limit, limit]``."""
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
     if activation == "silu":
-        return F.silu(gate)
+        return F.silu(gate) * up
     if activation == "gelu":
-        return F.gelu(gate, approximate="none")
+        return F.gelu(gate, approximate="none") * up
     if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh")
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swiglu_oai":
+        return (up + 1) * gate * torch.sigmoid(swiglu_alpha * gate)
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
@@ -59,12 +69,18 @@ def moe_sorting_reference(
     return per_expert, (num_kept // block_m + min(num_experts, num_kept)) * block_m
 
 
-def _unpack_weights(w1, w2):
+def _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved):
+    """``(w1 [E, 2I, H] gate rows then up rows, w2 [E, H, I], w1_bias [E, 2I] gate then up, w2_bias)`` of
+    either weight form."""
     from .gemm.layout import PreparedMoEWeights
 
     if isinstance(w1, PreparedMoEWeights):
-        return w1.unprepare()
-    return w1, w2
+        (w1, w2), (w1_bias, w2_bias) = w1.unprepare(), w1.unprepare_biases()
+    elif gate_up_interleaved:  # rows g0, u0, g1, u1, ...
+        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
+        if w1_bias is not None:
+            w1_bias = torch.cat([w1_bias[:, 0::2], w1_bias[:, 1::2]], dim=1)
+    return w1, w2, w1_bias, w2_bias
 
 
 def fused_moe_reference(
@@ -79,8 +95,14 @@ def fused_moe_reference(
     expert_map: Optional[torch.Tensor] = None,
     lora=None,
     token_lora_ids: Optional[torch.Tensor] = None,
+    w1_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    gate_up_interleaved: bool = False,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: Optional[float] = None,
 ) -> torch.Tensor:
-    """``out[t] = sum_k w[t,k] * (act(x_t Wg_e^T) * (x_t Wu_e^T)) Wd_e^T`` with ``e = topk_ids[t,k]``.
+    """``out[t] = sum_k w[t,k] * (act(x_t Wg_e^T + bg_e, x_t Wu_e^T + bu_e) Wd_e^T + bd_e)`` with
+    ``e = topk_ids[t,k]`` (``act``: :func:`gated_activation`; biases zero when not given).
 
     With ``lora`` (:class:`fmoe2.MoELoRA` or its prepared form) and ``token_lora_ids`` ``[M]``,
     a token with adapter ``l`` in ``[0, max_loras)`` adds ``s_l * (v A[l,e]^T) B[l,e]^T`` to each
@@ -90,7 +112,7 @@ def fused_moe_reference(
     Computes in float32, or float64 when ``hidden_states`` is float64, and returns
     ``[M, H]`` in ``hidden_states.dtype`` (written into ``out`` when given).
     """
-    w1, w2 = _unpack_weights(w1, w2)
+    w1, w2, w1_bias, w2_bias = _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved)
     compute = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
     x = hidden_states.to(compute)
     E, two_i, _ = w1.shape
@@ -123,11 +145,16 @@ def fused_moe_reference(
         xe = x[token]
         gate = xe @ w1e[:inter].T
         up = xe @ w1e[inter:].T
+        if w1_bias is not None:
+            gate = gate + w1_bias[e, :inter].to(compute)
+            up = up + w1_bias[e, inter:].to(compute)
         if lora is not None:
             gate = gate + lora_delta(xe, token, lora.gate_a, lora.gate_b, e)
             up = up + lora_delta(xe, token, lora.up_a, lora.up_b, e)
-        y = apply_activation(gate, activation) * up
+        y = gated_activation(gate, up, activation, swiglu_alpha, swiglu_limit)
         down = y @ w2[e].to(compute).T
+        if w2_bias is not None:
+            down = down + w2_bias[e].to(compute)
         if lora is not None:
             down = down + lora_delta(y, token, lora.down_a, lora.down_b, e)
         contrib = down * topk_weights[token, slot].to(compute)[:, None]

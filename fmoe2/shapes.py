@@ -1,6 +1,19 @@
-"""Named MoE layer shapes (E, H, I, topk) used by the benchmark, the tuner and the codegen report."""
+"""Named MoE layer shapes (E, H, I, topk) used by the benchmark, the tuner and the codegen report.
+
+``SHAPES`` are the benchmark's defaults; ``MORE_SHAPES`` it runs when named (``--shapes``), with the
+options of their experts' computation in ``SHAPE_OPTIONS`` (what fused_moe and the baseline take
+besides the default SwiGLU without biases).
+"""
 SHAPES = {
     "mixtral-8x7b": (8, 4096, 14336, 2),
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "deepseek-v2-lite": (64, 2048, 1408, 6),
+}
+MORE_SHAPES = {
+    "gpt-oss-20b": (32, 2880, 2880, 4),
+}
+ALL_SHAPES = {**SHAPES, **MORE_SHAPES}
+# biases: gate/up and down biases; the rest are fused_moe keyword arguments.
+SHAPE_OPTIONS = {
+    "gpt-oss-20b": dict(activation="swiglu_oai", swiglu_limit=7.0, biases=True),
 }

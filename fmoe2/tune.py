@@ -25,11 +25,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fmoe2.tune", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fmoe2.tune", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", required=True, help=f"one of {sorted(SHAPES)} or E,H,I,topk")
-    p.add_argument("--m", default="1,16,128,1024,4096")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--config-dir", default=CONFIG_DIR)
+    p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes to tune")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input and weight dtype")
+    p.add_argument("--config-dir", default=CONFIG_DIR,
+                   help="where the tuned file <device>/E=..,H=..,I=..,topk=..,dtype=...json is written")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("tuning needs a CUDA or ROCm GPU")

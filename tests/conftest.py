@@ -27,3 +27,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Every test starts without cached plans: one that patches a launch rule must see it applied."""
+    import fmoe2
+
+    fmoe2.clear_plan_cache()
+    yield
+    fmoe2.clear_plan_cache()

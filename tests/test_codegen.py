@@ -244,26 +244,24 @@ def test_signature_specialises_ints_like_the_jit():
 STAGE2_SPLIT_CHECK = """
 import json, torch
 from fmoe2 import FusedMoEConfig
-from fmoe2.codegen import TARGETS, _compile
-from fmoe2.gemm.fused_moe import MoEProblem, TwoStageWorkspace, stage2_kernel_launch
-from fmoe2.gemm.grouped_gemm_kernel import _grouped_gemm_kernel
+from fmoe2.codegen import TARGETS, _compile_spec
+from fmoe2.gemm.launches import MoEProblem, TwoStageWorkspace, stage2_kernel_launch
 from fmoe2.sorting import MoESortingResult
+from fmoe2.target import NAMED_TARGETS
 
 M, E, H, I, topk = 16, 8, 4096, 14336, 2  # Mixtral decode, where the H100 search picked K shares
 meta = dict(device="meta", dtype=torch.bfloat16)
 x = torch.empty(M, H, **meta)
 problem = MoEProblem(x, torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta), True, E, H, I, topk)
 sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta")
-workspace = TwoStageWorkspace.allocate(problem, sorting)
 for target, s2 in (("sm_90", (256, 128, 8, 3)), ("gfx942", (128, 64, 4, 2))):
     bn, bk, warps, stages = s2
     cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, BLOCK_H=128, path="two_stage", S2_BLOCK_N=bn,
                          S2_BLOCK_K=bk, S2_GROUP_M=1, s2_num_warps=warps, s2_num_stages=stages, S2_SPLIT_K=2)
-    backend = TARGETS[target].backend
-    grid, args, constexprs, options = stage2_kernel_launch(problem, x, sorting, workspace, cfg, backend)
-    assert constexprs["SPLIT_K"] == 2 and grid[0] == 2 * sorting.sorted_expert_ids.numel() * (H // bn), grid
-    print(json.dumps({"target": target, **_compile(_grouped_gemm_kernel, grid, args, constexprs, options,
-                                                   TARGETS[target])}))
+    workspace = TwoStageWorkspace.allocate(problem, sorting, cfg, NAMED_TARGETS[target])
+    spec = stage2_kernel_launch(problem, x, sorting, workspace, cfg, NAMED_TARGETS[target])
+    assert spec.constexprs["SPLIT_K"] == 2 and spec.grid[0] == 2 * sorting.sorted_expert_ids.numel() * (H // bn)
+    print(json.dumps({"target": target, **_compile_spec(spec, TARGETS[target])}))
 """
 
 
@@ -285,13 +283,12 @@ IN_STAGES_CHECK = """
 import json, torch
 from dataclasses import replace
 from fmoe2 import FusedMoEConfig
-from fmoe2.codegen import TARGET_MULTIPROCESSORS, TARGET_SHARED_MEMORY, TARGETS, _compile, _meta_lora
+from fmoe2.codegen import TARGET_MULTIPROCESSORS, TARGET_SHARED_MEMORY, TARGETS, _compile_spec, _meta_lora
 from fmoe2.gemm.config import fit_lora_config_to_problem
-from fmoe2.gemm.fused_moe import (MoEProblem, TwoStageWorkspace, deltas_in_stages, fused_kernel_launch,
-                                  stage2_kernel_launch)
-from fmoe2.gemm.fused_moe_kernel import _fused_moe_kernel
-from fmoe2.gemm.grouped_gemm_kernel import _grouped_gemm_kernel
+from fmoe2.gemm.launches import (MoEProblem, TwoStageWorkspace, deltas_in_stages, fused_kernel_launch,
+                                 stage2_kernel_launch)
 from fmoe2.sorting import MoESortingResult
+from fmoe2.target import NAMED_TARGETS
 
 E, H, I, topk = 8, 4096, 14336, 2  # Mixtral decode: the tuned H100 / H200 picks (two-stage, K shares)
 meta = dict(device="meta", dtype=torch.bfloat16)
@@ -315,17 +312,14 @@ for target, pick, M in (("sm_90", "h100", 1), ("sm_90", "h200", 1), ("sm_90", "h
     problem.token_lora_ids = torch.empty(M, dtype=torch.int32, device="meta")
     assert deltas_in_stages(problem, cfg)
     sorting = MoESortingResult.allocate(M * topk, E, cfg.BLOCK_M, M, "meta", count_lora_tokens=True)
-    workspace = TwoStageWorkspace.allocate(problem, sorting, cfg)
+    named = NAMED_TARGETS[target]
+    workspace = TwoStageWorkspace.allocate(problem, sorting, cfg, named)
     assert workspace.lora_delta13 is None and workspace.lora_shrink2.shape[0] == -(-I // cfg.BLOCK_N)
-    for kernel, fn, launch in (("stage1", _fused_moe_kernel, fused_kernel_launch(problem, x, sorting, "silu", cfg,
-                                                                                   backend, workspace)),
-                               ("stage2", _grouped_gemm_kernel, stage2_kernel_launch(problem, x, sorting, workspace,
-                                                                                     cfg, backend))):
-        grid, args, constexprs, options = launch
-        assert constexprs["HAS_LORA"] and not constexprs.get("LORA_DELTAS_READY", False)
+    for kernel, spec in (("stage1", fused_kernel_launch(problem, x, sorting, "silu", cfg, named, workspace)),
+                         ("stage2", stage2_kernel_launch(problem, x, sorting, workspace, cfg, named))):
+        assert spec.constexprs["HAS_LORA"] and not spec.constexprs.get("LORA_DELTAS_READY", False)
         print(json.dumps({"target": target, "pick": pick, "M": M, "kernel": kernel, "BLOCK_N": cfg.BLOCK_N,
-                          "limit": TARGET_SHARED_MEMORY[target],
-                          **_compile(fn, grid, args, constexprs, options, TARGETS[target])}))
+                          "limit": TARGET_SHARED_MEMORY[target], **_compile_spec(spec, TARGETS[target])}))
 """
 
 
@@ -376,3 +370,55 @@ def test_codegen_reports_the_stages_as_fused_moe_runs_them_with_adapters(monkeyp
     assert not any(k.startswith("lora_") for k in reports)
     plain = {r["kernel"]: r for r in codegen.codegen_report("sm_90", (8, 4096, 14336, 2), 1)}
     assert plain["fused_moe_stage1"]["config"] == h200.to_dict()
+
+
+GPT_OSS_CHECK = """
+import json, torch
+from fmoe2.codegen import TARGETS, _compile_spec
+from fmoe2.gemm.config import get_config
+from fmoe2.gemm.launches import MoEProblem, TwoStageWorkspace, fused_kernel_launch, stage2_kernel_launch
+from fmoe2.sorting import MoESortingResult
+from fmoe2.target import NAMED_TARGETS
+
+E, H, I, topk = 32, 2880, 2880, 4  # gpt-oss-20b, its weights as transformers stores them, read in place
+meta = dict(device="meta", dtype=torch.bfloat16)
+for target in ("sm_90", "gfx942"):
+    named = NAMED_TARGETS[target]
+    for M in (1, 2048):
+        x = torch.empty(M, H, **meta)
+        w1 = torch.empty(E, H, 2 * I, **meta).transpose(1, 2)  # gate_up_proj [E, H, 2I], interleaved
+        w2 = torch.empty(E, I, H, **meta).transpose(1, 2)  # down_proj [E, I, H]
+        problem = MoEProblem(x, w1, w2, True, E, H, I, topk, w1_bias=torch.empty(E, 2 * I, **meta),
+                             w2_bias=torch.empty(E, H, **meta), swiglu_alpha=1.702, swiglu_limit=7.0)
+        pick = dict(backend=named.backend, arch=named.arch if named.backend == "hip" else None)
+        auto = get_config(M, E, H, I, topk, torch.bfloat16, **pick).path
+        for path in ("fused", "two_stage"):
+            cfg = get_config(M, E, H, I, topk, torch.bfloat16, path=path, **pick)
+            sorting = MoESortingResult.allocate(M * topk, E, cfg.BLOCK_M, M, "meta")
+            workspace = TwoStageWorkspace.allocate(problem, sorting, cfg, named) if path == "two_stage" else None
+            specs = [fused_kernel_launch(problem, x, sorting, "swiglu_oai", cfg, named, workspace)]
+            if workspace is not None:
+                specs.append(stage2_kernel_launch(problem, x, sorting, workspace, cfg, named))
+            assert specs[0].args["stride_w1_k"] == 2 * I and specs[0].constexprs["HAS_W1_BIAS"]
+            if workspace is not None:
+                assert specs[1].args["stride_b_k"] == H and specs[1].constexprs["HAS_BIAS"]
+            for spec in specs:
+                print(json.dumps({"target": target, "M": M, "path": path, "auto": path == auto, "kernel": spec.name,
+                                  **_compile_spec(spec, TARGETS[target])}))
+"""
+
+
+def test_gpt_oss_kernels_compile():
+    # gpt-oss-20b: transposed, interleaved weights read through their strides, gate/up and down biases, the
+    # clamped swiglu_oai; both paths compile for sm_90 and gfx942 with matrix instructions, the path "auto"
+    # picks without spills. (Forced onto the two-stage path at M=1, the default stage-1 tiles, BLOCK_K=128
+    # with 4 stages and 4 warps, spill 171 instructions on sm_90 with transposed weights, none with
+    # K-contiguous ones: Triton 3.9, 2026-11-25.)
+    proc = subprocess.run([sys.executable, "-c", GPT_OSS_CHECK], capture_output=True, text=True,
+                          env=codegen_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 12 and sum(rep["auto"] for rep in reports) == 6
+    for rep in reports:
+        assert rep["matrix_instructions"], rep
+        assert no_spills(rep) or not rep["auto"], rep

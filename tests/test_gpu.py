@@ -296,26 +296,203 @@ def test_lora_bf16_deltas_in_the_stages_take_tensor_descriptors(M, tma):
     assert torch.isfinite(out).all() and err <= REL_TOL[torch.bfloat16], f"M={M} tma={tma}: {err:.3e}"
 
 
-def test_num_multiprocessors_reads_each_device():
-    # The count is cached per device index (it is asked on every launch); the default device, an
-    # explicit index and a device without one must all give the GPU's own count.
-    from fmoe2.multiprocessors import num_multiprocessors
-
-    for index in range(torch.cuda.device_count()):
-        assert num_multiprocessors(f"cuda:{index}") == torch.cuda.get_device_properties(index).multi_processor_count
-    current = torch.cuda.current_device()
-    assert num_multiprocessors("cuda") == num_multiprocessors(None) == num_multiprocessors(f"cuda:{current}")
-
-
-def test_shared_memory_per_program_reads_each_device():
-    # What Triton checks a launch against (its driver's max_shared_mem): 232448 bytes on the H100/H200.
+def test_target_reads_each_device():
+    # The target is cached per device index; the default device, an explicit index and a device without
+    # one must all give the GPU's own multiprocessors, shared memory (what Triton checks a launch against:
+    # its driver's max_shared_mem, 232448 bytes on the H100/H200) and architecture.
     import triton
 
-    from fmoe2.multiprocessors import shared_memory_per_program
+    from fmoe2.target import target_of
 
     for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        target = target_of(f"cuda:{index}")
+        assert target.num_sms == props.multi_processor_count and target.device_index == index
         expected = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-        assert shared_memory_per_program(f"cuda:{index}") == expected
-        optin = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+        assert target.shared_memory == expected
+        optin = getattr(props, "shared_memory_per_block_optin", None)
         assert optin is None or optin == expected
-    assert shared_memory_per_program("cuda") == shared_memory_per_program(None)
+        if target.backend == "cuda":
+            assert target.cuda_arch == 10 * props.major + props.minor and not target.interpreter
+    current = torch.cuda.current_device()
+    assert target_of("cuda") == target_of(None) == target_of(f"cuda:{current}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The hot path: cached plans launching bound kernels directly, and the torch op under torch.compile
+# ---------------------------------------------------------------------------------------------
+
+DIRECT_CASES = [("qwen3-30b-a3b", 1, "fused", {}), ("qwen3-30b-a3b", 300, "two_stage", {}),
+                ("mixtral-8x7b", 4, "two_stage", dict(tma=True, pdl=True)),
+                ("qwen3-30b-a3b", 128, "fused", dict(tma=True, pdl=True)),
+                ("qwen3-30b-a3b", 4096, "two_stage", dict(pdl=True))]  # 4096: the chunked sort
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("shape,M,path,options", DIRECT_CASES)
+def test_direct_launches_match_the_jit(shape, M, path, options, lora):
+    # First call: JIT launches, bound for the next; then calls with other tensors of the same shapes run the
+    # bound kernels directly. Both must match the reference, and the direct path the JIT path.
+    from helpers import make_lora, make_token_lora_ids
+
+    from fmoe2.gemm.fused_moe import plan_of
+    from fmoe2.launch import set_launch_mode
+
+    E, H, I, topk = SHAPES[shape]
+    cfg = replace(fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, path=path), **options)
+    extra = {}
+    if lora:
+        extra = dict(lora=fmoe2.prepare_lora(make_lora(4, E, H, I, 16, torch.bfloat16, device="cuda")),
+                     token_lora_ids=make_token_lora_ids(M, 4, device="cuda"))
+    for seed in (1, 2, 3):
+        x, w1, w2, tw, ti = problem(shape, M, torch.bfloat16, seed=seed)
+        prepared = prepare_weights(w1, w2)
+        out = fused_moe(x, prepared, None, tw, ti, config=cfg, out=poisoned(M, H, torch.bfloat16, "cuda"), **extra)
+        plan = plan_of(x, prepared, None, tw, ti, config=cfg, out=out, **extra)
+        assert plan is not None and plan.direct  # bound by the first call, used by the next
+        ref = reference32(x, w1, w2, tw, ti, **{k: v for k, v in extra.items()})
+        assert rel_error(out, ref) <= REL_TOL[torch.bfloat16], (seed, rel_error(out, ref))
+        set_launch_mode("jit")
+        try:
+            jit = fused_moe(x, prepared, None, tw, ti, config=cfg, **extra)
+        finally:
+            set_launch_mode("direct")
+        # Atomics add in a run-dependent order: the two agree like two runs of either (the fused path at M=1
+        # adds 112 bf16 partials per output element: 1.7e-2 apart was seen between two such runs).
+        assert rel_error(jit, ref) <= REL_TOL[torch.bfloat16] and rel_error(out, jit) <= REL_TOL[torch.bfloat16]
+    if path == "two_stage" and not lora:
+        assert "stage2" in plan.launch_names
+
+
+def test_unaligned_inputs_take_the_jit_and_stay_right():
+    # A view 2 bytes off a 16-byte boundary: the JIT specialises pointer alignment, so such a call gets a plan
+    # of its own that never launches directly.
+    from fmoe2.gemm.fused_moe import plan_of
+
+    x, w1, w2, tw, ti = problem("qwen3-30b-a3b", 16, torch.bfloat16, seed=5)
+    prepared = prepare_weights(w1, w2)
+    fused_moe(x, prepared, None, tw, ti)
+    assert plan_of(x, prepared, None, tw, ti).direct
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16
+    for _ in range(2):
+        out = fused_moe(shifted, prepared, None, tw, ti)
+        assert rel_error(out, reference32(x, w1, w2, tw, ti)) <= REL_TOL[torch.bfloat16]
+    assert not plan_of(shifted, prepared, None, tw, ti).direct
+
+
+def test_moe_sorting_direct_equals_jit():
+    from fmoe2.launch import set_launch_mode
+
+    E, H, I, topk = SHAPES["qwen3-30b-a3b"]
+    for M in (1, 300, 4096):
+        _, _, _, tw, ti = problem("qwen3-30b-a3b", M, torch.bfloat16, seed=M)
+        out = torch.full((M, 64), 3.0, device="cuda")
+        results = [moe_sorting(ti, tw, E, 16, out=out) for _ in range(2)]  # JIT, then direct
+        set_launch_mode("jit")
+        try:
+            results.append(moe_sorting(ti, tw, E, 16))
+        finally:
+            set_launch_mode("direct")
+        torch.cuda.synchronize()
+        assert (out == 0).all()
+        for name in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded",
+                     "num_sorted_tiles"):
+            assert torch.equal(getattr(results[0], name), getattr(results[1], name)), (M, name)
+            assert torch.equal(getattr(results[0], name), getattr(results[2], name)), (M, name)
+
+
+class _MoEBlock(torch.nn.Module):
+    """Router, top-k, fused_moe and a residual; weights as buffers (static inputs to CUDA graphs)."""
+
+    def __init__(self, shape, seed, prepared=True):
+        super().__init__()
+        E, H, I, topk = shape
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.topk, self.H, self.I, self.prepared = topk, H, I, prepared
+        self.register_buffer("router", (torch.randn(E, H, generator=gen) / H ** 0.5).to("cuda", torch.bfloat16))
+        w1 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to("cuda", torch.bfloat16)
+        w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to("cuda", torch.bfloat16)
+        if prepared:
+            p = prepare_weights(w1, w2)
+            w1, w2 = p.w13, p.w2
+        self.register_buffer("w1", w1)
+        self.register_buffer("w2", w2)
+
+    def forward(self, x):
+        weights, ids = torch.topk(torch.nn.functional.linear(x, self.router).float().softmax(-1), self.topk, dim=-1)
+        if self.prepared:
+            return x + fused_moe(x, fmoe2.PreparedMoEWeights(self.w1, self.w2, self.H, self.I), None, weights, ids)
+        return x + fused_moe(x, self.w1, self.w2, weights, ids)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("M", [1, 64])
+def test_torch_compile_traces_the_op_whole(mode, M):
+    # fullgraph=True: no graph break around fmoe2.fused_moe (it becomes torch.ops.fmoe2.fused_moe);
+    # reduce-overhead: Inductor captures it in CUDA graphs and skips none for mutated inputs.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    shape = SHAPES["qwen3-30b-a3b"]
+    model = torch.nn.Sequential(_MoEBlock(shape, 1), _MoEBlock(shape, 2, prepared=False))
+    compiled = torch.compile(model, fullgraph=True, mode=mode)
+    with torch.no_grad():
+        for seed in range(3):
+            x = problem("qwen3-30b-a3b", M, torch.bfloat16, seed=seed)[0]
+            eager = model(x)
+            out = compiled(x).clone()
+            assert rel_error(out, eager) <= REL_TOL[torch.bfloat16], (seed, rel_error(out, eager))
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    if mode == "reduce-overhead":  # the step ran as a recorded CUDA graph
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        assert manager is not None and sum(len(nodes) for nodes in manager.roots.values()) >= 1
+
+
+def test_torch_compile_with_lora_and_expert_map():
+    from helpers import make_lora, make_token_lora_ids
+
+    torch._dynamo.reset()
+    E, H, I, topk = SHAPES["qwen3-30b-a3b"]
+    M = 16
+    x, w1, w2, tw, ti = problem("qwen3-30b-a3b", M, torch.bfloat16, seed=3)
+    prepared = prepare_weights(w1, w2)
+    lora = fmoe2.prepare_lora(make_lora(2, E, H, I, 16, torch.bfloat16, device="cuda"))
+    ids = make_token_lora_ids(M, 2, device="cuda")
+    expert_map = torch.arange(E, dtype=torch.int32, device="cuda")
+    expert_map[::3] = -1
+
+    def f(x, tw, ti, ids):
+        return fused_moe(x, prepared, None, tw, ti, lora=lora, token_lora_ids=ids, expert_map=expert_map)
+
+    out = torch.compile(f, fullgraph=True)(x, tw, ti, ids)
+    ref = reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids, expert_map=expert_map)
+    assert rel_error(out, ref) <= REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize("M", [1, 300])
+def test_gpt_oss_shape_with_biases_runs_direct(M, prepared):
+    # gpt-oss-20b's experts: biases (the prepared weights' own, or passed with plain weights), interleaved
+    # gate/up, clamped swiglu_oai; the second and third calls run the bound launches.
+    from fmoe2.gemm.fused_moe import plan_of
+
+    E, H, I, topk = fmoe2.shapes.ALL_SHAPES["gpt-oss-20b"]
+    act = dict(activation="swiglu_oai", swiglu_limit=7.0)
+    for seed in (1, 2, 3):
+        x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.bfloat16, device="cuda", seed=seed)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        b1 = torch.randn(E, 2 * I, generator=gen).to("cuda", torch.bfloat16)
+        b2 = torch.randn(E, H, generator=gen).to("cuda", torch.bfloat16)
+        if prepared:
+            weights, extra = (prepare_weights(w1, w2, w1_bias=b1, w2_bias=b2), None), {}
+        else:
+            weights, extra = (w1, w2), dict(w1_bias=b1, w2_bias=b2)
+        out = fused_moe(x, *weights, tw, ti, out=poisoned(M, H, torch.bfloat16, "cuda"), **act, **extra)
+        ref = reference32(x, w1, w2, tw, ti, w1_bias=b1, w2_bias=b2, **act)
+        assert rel_error(out, ref) <= REL_TOL[torch.bfloat16], (seed, rel_error(out, ref))
+        assert plan_of(x, *weights, tw, ti, out=out, **act, **extra).direct

@@ -32,8 +32,8 @@ import triton
 
 import fmoe2
 from fmoe2.gemm.config import device_config_name
-from fmoe2.gemm.fused_moe import check_fused_moe_args, fit_given_config, forward_launches
-from fmoe2.shapes import SHAPES
+from fmoe2.gemm.fused_moe import forward_launches
+from fmoe2.shapes import ALL_SHAPES, SHAPE_OPTIONS, SHAPES
 
 from .report import merge_results, write_report
 from .search import baseline_candidates, search, search_fmoe2
@@ -57,14 +57,12 @@ def measure_ceilings() -> dict:
     return {"copy_bytes_per_s": 2 * n / (copy_us * 1e-6), "bf16_flops_per_s": 2 * 8192**3 / (mm_us * 1e-6)}
 
 
-def stage_times(x, weights, topk_weights, topk_ids, config, out, lora=None, token_lora_ids=None) -> dict:
+def stage_times(x, weights, topk_weights, topk_ids, config, out, lora=None, token_lora_ids=None, **options) -> dict:
     """Median us of each launch of fmoe2's forward alone (names from ``forward_launches``: sort, fused
     or stage1/stage2, and with adapters the two-stage path's lora_shrink/lora_expand launches), each
     in its own graph, on the buffers one full forward leaves behind."""
-    problem = check_fused_moe_args(x, weights, None, topk_weights, topk_ids, "silu", out, None, config,
-                                   lora=lora, token_lora_ids=token_lora_ids)
-    config = fit_given_config(config, problem)
-    launches = forward_launches(problem, x, topk_weights, topk_ids, "silu", out, None, config)
+    launches = forward_launches(x, weights, None, topk_weights, topk_ids, out=out, config=config, lora=lora,
+                                token_lora_ids=token_lora_ids, **options)
     for _, launch in launches:  # every launch then finds the buffers it reads filled
         launch()
     return {name: time_in_graph(launch) for name, launch in launches}
@@ -103,7 +101,13 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
     E, H, I, topk = shape
     w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
-    prepared = fmoe2.prepare_weights(w1, w2)
+    # The shape's own computation (SHAPE_OPTIONS): activation, clamp, biases (fused_moe and the baseline take them).
+    options = dict(SHAPE_OPTIONS.get(name, {}))
+    biases = {}
+    if options.pop("biases", False):
+        biases = dict(w1_bias=torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1,
+                      w2_bias=torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1)
+    prepared = fmoe2.prepare_weights(w1, w2, **biases)
     vllm_fused_experts = try_vllm()
     rows = []
     for M in ms:
@@ -115,10 +119,10 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         floor_us = max(floor_bytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"]) * 1e6
 
         def run_fmoe2(cfg):
-            return lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg)
+            return lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, **options)
 
         def run_base(cfgs):
-            return lambda: vllm_style_fused_experts(x, w1, w2, tw, ti, *cfgs)
+            return lambda: vllm_style_fused_experts(x, w1, w2, tw, ti, *cfgs, **options, **biases)
 
         picked_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16)  # what fused_moe runs here
         default_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, tuned=False)  # without a tuned file
@@ -130,17 +134,19 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
             f_cfg, b_cfgs = picked_cfg, baseline_candidates(M, E, topk)[0]
             fused_cfg = f_cfg if f_cfg.path == "fused" else None
 
-        ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti)
-        err_f = rel_err(fmoe2.fused_moe(x, prepared, None, tw, ti, config=f_cfg), ref)
-        err_b = rel_err(vllm_style_fused_experts(x, w1, w2, tw, ti, *b_cfgs), ref)
+        ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti, **options,
+                                        **{k: v.float() for k, v in biases.items()})
+        err_f = rel_err(fmoe2.fused_moe(x, prepared, None, tw, ti, config=f_cfg, **options), ref)
+        err_b = rel_err(vllm_style_fused_experts(x, w1, w2, tw, ti, *b_cfgs, **options, **biases), ref)
         t_f = time_in_graph(run_fmoe2(f_cfg))
         t_default = time_in_graph(run_fmoe2(default_cfg)) if default_cfg != f_cfg else t_f
-        t_plain = time_in_graph(lambda: fmoe2.fused_moe(x, w1, w2, tw, ti, out=out, config=f_cfg))
+        t_plain = time_in_graph(lambda: fmoe2.fused_moe(x, w1, w2, tw, ti, out=out, config=f_cfg, **options,
+                                                        **biases))
         t_fused = time_in_graph(run_fmoe2(fused_cfg)) if fused_cfg is not None and fused_cfg != f_cfg else (
             t_f if f_cfg.path == "fused" else float("nan"))
         t_b = time_in_graph(run_base(b_cfgs))
         t_sort = time_in_graph(lambda: fmoe2.moe_sorting(ti, tw, E, f_cfg.BLOCK_M, out=out))
-        stages = stage_times(x, prepared, tw, ti, f_cfg, out)
+        stages = stage_times(x, prepared, tw, ti, f_cfg, out, **options)
         # Compute-bound points (>= 256 routed rows per expert): what cuBLAS reaches on the same GEMMs.
         dense_gen = torch.Generator(device="cuda").manual_seed(M)
         t_dense = dense_gemm_us(E, H, I, M * topk // E, dense_gen) if M * topk >= 256 * E else None
@@ -152,7 +158,7 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
                    sort_us=t_sort, sort_budget_us=sort_budget, fmoe2_rel_err=err_f, baseline_rel_err=err_b,
                    stage_us=stages, flops=flops, dense_gemm_us=t_dense,
                    fmoe2_config=f_cfg.to_dict(), baseline_config=b_cfgs[0].__dict__)
-        if vllm_fused_experts is not None:
+        if vllm_fused_experts is not None and not options and not biases:
             row["vllm_fused_experts_us"] = time_in_graph(lambda: vllm_fused_experts(x, w1, w2, tw, ti))
         rows.append(row)
         print(f"{name:17s} M={M:6d}  fmoe2 {t_f:9.1f} us ({f_cfg.path}; fused {t_fused:.1f})  baseline {t_b:9.1f} us  speedup {t_b / t_f:5.2f}x  "
@@ -175,22 +181,30 @@ def write_results(path: str, result: dict, update: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fmoe2.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(SHAPES)}")
+    p = argparse.ArgumentParser(prog="python -m fmoe2.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(ALL_SHAPES)}")
     p.add_argument("--shape", default=None, help="a custom shape E,H,I,topk (replaces --shapes)")
     p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
     p.add_argument("--no-search", action="store_true", help="use default configs instead of searching")
     p.add_argument("--update", action="store_true",
                    help="rerun only the batch sizes of --m: the result file keeps its rows of other batch sizes "
                         "(each row names the run it comes from)")
-    p.add_argument("--out-dir", default=os.path.join("misc", "bench"))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=os.path.join("misc", "bench"),
+                   help="result files <device>__<shape>.json, <device>.md and the plots go here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and weights")
     p.add_argument("--lora", action="store_true",
                    help="multi-LoRA benchmark (default M 1,16,128,1024; results under <out-dir>/lora)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank with --lora")
     p.add_argument("--num-loras", type=int, default=4, help="adapters with --lora")
     p.add_argument("--search", action="store_true", help="with --lora: search fmoe2's config (either path) for LoRA")
+    p.add_argument("--host", action="store_true",
+                   help="host cost per call instead (python -m fmoe2.bench.host; --shapes, --out-dir apply)")
     a = p.parse_args(argv)
+    if a.host:
+        from .host import main as host_main
+
+        return host_main(["--shapes", a.shapes, "--out-dir", a.out_dir])
     if a.update and (a.lora or a.no_search):
         # --lora writes its own files whole; unsearched rows would become tuned configs (--write-configs).
         p.error("--update reruns searched plain results only (not with --lora or --no-search)")
@@ -199,10 +213,10 @@ def main(argv=None) -> int:
     if a.shape:
         shapes = {"custom-" + a.shape.replace(",", "-"): tuple(int(v) for v in a.shape.split(","))}
     else:
-        unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+        unknown = [s for s in a.shapes.split(",") if s not in ALL_SHAPES]
         if unknown:
-            p.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
-        shapes = {s: SHAPES[s] for s in a.shapes.split(",")}
+            p.error(f"unknown shapes {unknown}; known: {sorted(ALL_SHAPES)}")
+        shapes = {s: ALL_SHAPES[s] for s in a.shapes.split(",")}
     if a.lora and a.m == p.get_default("m"):
         a.m = "1,16,128,1024"
     ms = [int(m) for m in a.m.split(",")]

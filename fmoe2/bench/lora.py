@@ -30,7 +30,7 @@ import torch
 
 import fmoe2
 from fmoe2.gemm.config import device_config_name, fit_lora_config_to_problem
-from fmoe2.multiprocessors import num_multiprocessors, shared_memory_per_program
+from fmoe2.target import target_of
 
 from .search import baseline_candidates, fmoe2_candidates, search
 from .timing import time_in_graph, time_interleaved
@@ -131,8 +131,8 @@ def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_
         if do_search:
             cfg, _, _ = search(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), lambda c: run_fmoe2(c, ids_mixed),
                                f"{name} M={M} fmoe2 lora")
-            lora_cfg = fit_lora_config_to_problem(cfg, M, E, H, I, topk, torch.bfloat16, num_multiprocessors(),
-                                                  shared_memory=shared_memory_per_program())
+            lora_cfg = fit_lora_config_to_problem(cfg, M, E, H, I, topk, torch.bfloat16, target_of().num_sms,
+                                                  shared_memory=target_of().shared_memory)
         base_cfgs = _plain_baseline_configs(plain_dir, name, M)
         if base_cfgs is None:
             base_cfgs, _, _ = search(baseline_candidates(M, E, topk),

@@ -3,7 +3,7 @@
     python -m fmoe2.bench.lora_settings [--out-dir misc/bench/lora]
 
 The measurements behind ``fit_lora_config`` (``fmoe2/gemm/config.py``) and the two-stage LoRA
-launch settings (``lora_kernel_options``, ``lora_expand_block_n`` in ``fmoe2/gemm/fused_moe.py``),
+launch settings (``lora_kernel_options``, ``lora_expand_block_n`` in ``fmoe2/gemm/launches.py``),
 on this GPU, rank 16, 4 adapters uniform over the tokens with 20% of tokens without one, bf16:
 
 * ``fused``: at every point of this device's ``--lora`` table (``misc/bench/lora``) that runs the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import contextlib
 import importlib
 import json
 import math
@@ -40,8 +41,10 @@ from .lora import BF16_TOL, make_adapters, make_token_lora_ids
 from .provenance import run_record
 from .timing import time_in_graph, time_interleaved
 
-# The module (the attribute fmoe2.gemm.fused_moe is the function), whose launch settings are patched below.
+# The modules whose config fit (fused_moe: the module; the attribute fmoe2.gemm.fused_moe is the function) and
+# launch settings (launches) are patched below.
 FUSED_MODULE = importlib.import_module("fmoe2.gemm.fused_moe")
+LAUNCHES_MODULE = importlib.import_module("fmoe2.gemm.launches")
 ROUNDS = 5
 # (num_warps, num_stages, expand BLOCK_N, shrink BLOCK_K) of the two-stage LoRA kernels, on the table's tiles
 # (128 rows at both points in the 2026-11-24 tables; each row records its config)
@@ -78,16 +81,28 @@ def _rel_err(point, cfg):
     return ((out - point["ref"]).norm() / point["ref"].norm()).item()
 
 
+@contextlib.contextmanager
+def _patched(patch):
+    """``patch`` applied, with the cached plans (which hold the unpatched settings) dropped on both sides."""
+    fmoe2.clear_plan_cache()
+    try:
+        with patch:
+            yield
+    finally:
+        fmoe2.clear_plan_cache()
+
+
 def lora_configs_as_given():
     """Context: ``fused_moe`` runs a given LoRA config's warps and stages instead of fitting them."""
-    return mock.patch.object(FUSED_MODULE, "fit_lora_config_to_problem", lambda cfg, *_, **__: cfg)
+    return _patched(mock.patch.object(FUSED_MODULE, "fit_lora_config_to_problem", lambda cfg, *_, **__: cfg))
 
 
 def two_stage_lora_settings(num_warps: int, num_stages: int, expand_block_n: int, shrink_block_k: int):
     """Context: the two-stage LoRA kernels launch with these settings (see ``lora_kernel_options``)."""
-    return mock.patch.multiple(FUSED_MODULE, LORA_BLOCK_K=shrink_block_k,
-                               lora_kernel_options=lambda *_: {"num_warps": num_warps, "num_stages": num_stages},
-                               lora_expand_block_n=lambda *_: expand_block_n)
+    return _patched(mock.patch.multiple(LAUNCHES_MODULE, LORA_BLOCK_K=shrink_block_k,
+                                        lora_kernel_options=lambda *_: {"num_warps": num_warps,
+                                                                        "num_stages": num_stages},
+                                        lora_expand_block_n=lambda *_: expand_block_n))
 
 
 def table_rows(table_dir: str, name: str) -> list:

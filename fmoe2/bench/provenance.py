@@ -1,10 +1,13 @@
-"""Provenance of a benchmark run, for its result file: device, date, versions and the exact command."""
+"""Provenance of a benchmark run, for its result file: device, date, versions and the exact command;
+and the result files themselves (JSON plus its markdown report)."""
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import shlex
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import triton
@@ -17,3 +20,22 @@ def run_record(prog: str, argv: Optional[Sequence[str]] = None) -> dict:
     return dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 torch=torch.__version__, triton=triton.__version__,
                 command=" ".join([prog, *(shlex.quote(v) for v in args)]))
+
+
+def write_result(path: str, result: dict, markdown: Callable[[dict], str]) -> str:
+    """Writes ``result`` to ``path`` (``.json``) and its report beside it (``.md``); returns the report."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return rewrite_report(path, markdown, result)
+
+
+def rewrite_report(path: str, markdown: Callable[[dict], str], result: Optional[dict] = None) -> str:
+    """Writes the markdown report (``.md``) of the result file ``path`` (read unless ``result`` is given)."""
+    if result is None:
+        with open(path) as f:
+            result = json.load(f)
+    report = markdown(result)
+    with open(path[:-len(".json")] + ".md", "w") as f:
+        f.write(report)
+    return report

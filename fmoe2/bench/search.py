@@ -10,7 +10,8 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from ..gemm.config import FusedMoEConfig, fit_config, current_backend
+from ..gemm.config import FusedMoEConfig, fit_config
+from ..target import current_backend
 from .timing import time_in_graph
 from .vllm_style import GroupedGemmConfig
 

@@ -37,7 +37,7 @@ from fmoe2.gemm.config import device_config_name
 from fmoe2.reference import moe_sorting_reference
 from fmoe2.shapes import SHAPES
 from fmoe2.sorting import MoESortingResult, launch_moe_sorting
-from fmoe2.multiprocessors import num_multiprocessors
+from fmoe2.target import target_of
 from fmoe2 import fused_moe, prepare_weights
 from fmoe2.sorting.moe_sorting import CHUNKED_SORT_WARPS, sort_chunk_size, sort_programs
 
@@ -111,7 +111,7 @@ def sweep_point(E: int, H: int, topk: int, M: int, gen) -> dict:
     if chunk_size:
         auto = dict(parts=1, warps=CHUNKED_SORT_WARPS, chunk_size=chunk_size)
     else:
-        auto_parts, auto_warps = sort_programs(E, M * topk, num_multiprocessors(topk_ids.device))
+        auto_parts, auto_warps = sort_programs(E, M * topk, target_of(topk_ids.device).num_sms)
         auto = dict(parts=auto_parts, warps=auto_warps, chunk_size=0)
     return dict(auto=auto, times_us=time_interleaved(fns, rounds=ROUNDS))
 

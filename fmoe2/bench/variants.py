@@ -66,7 +66,8 @@ def _markdown(runs: list) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fmoe2.bench.variants", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fmoe2.bench.variants", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--m", default="1,16,128,1024,4096")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"))

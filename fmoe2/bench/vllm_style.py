@@ -41,6 +41,8 @@ def _gated_activation_kernel(
     I,
     ACTIVATION: tl.constexpr,
     BLOCK: tl.constexpr,
+    SWIGLU_ALPHA: tl.constexpr = 1.702,
+    SWIGLU_LIMIT: tl.constexpr = None,
 ):
     """Grid: (R, cdiv(I, BLOCK))."""
     row = tl.program_id(0).to(tl.int64)
@@ -48,7 +50,7 @@ def _gated_activation_kernel(
     valid = offs < I
     gate = tl.load(gate_up_ptr + row * 2 * I + offs, mask=valid, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * 2 * I + I + offs, mask=valid, other=0.0).to(tl.float32)
-    y = _gated_activation(gate, up, ACTIVATION)
+    y = _gated_activation(gate, up, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT)
     tl.store(y_ptr + row * I + offs, y.to(y_ptr.dtype.element_ty), mask=valid)
 
 
@@ -70,22 +72,26 @@ def _topk_sum_kernel(
     tl.store(out_ptr + row * H + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, cfg: GroupedGemmConfig):
+def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, cfg: GroupedGemmConfig,
+                  bias=None):
     E, N, K = b.shape
     num_grid_tiles = max_busy_tiles(num_entries, E, cfg.BLOCK_M)
     grid = (num_grid_tiles * triton.cdiv(N, cfg.BLOCK_N),)
+    bias_args = dict(bias_ptr=bias, stride_bias_e=bias.stride(0), HAS_BIAS=True) if bias is not None else {}
     _grouped_gemm_kernel[grid](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights,
         None, None, 0, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         GATHER_A=True, A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=False,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, stride_b_k=b.stride(2), **bias_args,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGemmConfig, gemm2: GroupedGemmConfig,
-                             activation: str = "silu", lora=None, token_lora_ids=None, lora_cfg=None) -> torch.Tensor:
-    """The unfused baseline; same math as :func:`fmoe2.fused_moe`. Both GEMMs share BLOCK_M (one sort).
+                             activation: str = "silu", lora=None, token_lora_ids=None, lora_cfg=None, w1_bias=None,
+                             w2_bias=None, swiglu_alpha: float = 1.702, swiglu_limit=None) -> torch.Tensor:
+    """The unfused baseline; same math as :func:`fmoe2.fused_moe` (``w1`` gate rows then up rows; biases
+    in the GEMMs' epilogues, as vLLM's kernel adds them). Both GEMMs share BLOCK_M (one sort).
 
     With ``lora`` (a ``BaselineLoRA``) and ``token_lora_ids`` it adds the LoRA alignment and the
     shrink/expand kernels of ``fmoe2/bench/vllm_style_lora.py`` after each GEMM.
@@ -108,13 +114,15 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
         from .vllm_style_lora import LoRASteps
 
         lora_steps = LoRASteps(lora, token_lora_ids, topk_ids, topk_weights, weights, lora_cfg)
-    _grouped_gemm(x, w1, cache1, sorting, weights, num_entries, topk, False, gemm1)
+    _grouped_gemm(x, w1, cache1, sorting, weights, num_entries, topk, False, gemm1, w1_bias)
     if lora is not None:
         lora_steps.gate_up(x, cache1)
     act_block = min(1024, triton.next_power_of_2(inter))
-    _gated_activation_kernel[(num_entries, triton.cdiv(inter, act_block))](cache1, cache2, inter,
-                                                                            ACTIVATION=activation, BLOCK=act_block)
-    _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2)
+    _gated_activation_kernel[(num_entries, triton.cdiv(inter, act_block))](
+        cache1, cache2, inter, ACTIVATION=activation, BLOCK=act_block,
+        SWIGLU_ALPHA=float(swiglu_alpha) if activation == "swiglu_oai" else 1.702,
+        SWIGLU_LIMIT=float(swiglu_limit) if swiglu_limit is not None else None)
+    _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2, w2_bias)
     if lora is not None:
         lora_steps.down(cache2, cache3.view(num_entries, H))
     out = torch.empty_like(x)

@@ -13,13 +13,12 @@ dimension it tiles, and never goes under 16, the smallest matrix-instruction siz
 16-bit outputs BLOCK_N is widened until each output element receives at most
 ``MAX_ATOMIC_ADDS`` atomic adds (``topk * ceil(I / BLOCK_N)``; on the two-stage path ``topk *
 S2_SPLIT_K``, capped likewise): every add rounds the running sum
-to the output dtype, so the error grows like the square root of their number (measured on an
-H200: Mixtral, M=1, 896 bf16 adds per element gave a relative error of 4e-2; 112 adds about 1.5e-2).
+to the output dtype, so the error grows like the square root of their number (measurements:
+docs/configs.md#atomic-adds-per-output-element).
 A widened config keeps weight tiles of up to ``MAX_WEIGHT_TILE`` elements (BLOCK_K=64 at
 BLOCK_N=256) with enough warps to hold them, and no more pipeline stages than the backend's
-shared memory takes (``PIPELINE_ELEMENTS``). Measured on an H200 against the tuned configs:
-16384-element tiles (BLOCK_K=32) made the Mixtral defaults 1.44-1.53x slower than tuned at
-M=1/16/128; 32768-element tiles bring them within 1.03x there (1.09x on the H100). Last, every
+shared memory takes (``PIPELINE_ELEMENTS``); smaller tiles left the defaults well behind the tuned
+configs (measurements: docs/configs.md#widened-weight-tiles). Last, every
 config's loops are fitted to the GPU's shared memory for the input dtype (:func:`fit_shared_memory`).
 """
 from __future__ import annotations
@@ -34,8 +33,7 @@ from typing import Dict, Optional
 import torch
 import triton
 
-from .._validation import interpreter_enabled
-from ..multiprocessors import DEFAULT_SHARED_MEMORY, num_multiprocessors, shared_memory_per_program
+from ..target import DEFAULT_SHARED_MEMORY, current_backend, target_of
 from ..sorting import max_busy_tiles
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -55,22 +53,12 @@ PIPELINE_ELEMENTS = {"cuda": 3 * 32768, "hip": 2 * 16384}
 MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
-# With adapters, the two-stage path computes their deltas inside its two stages (no LoRA launches; the only
-# LoRA workspace holds stage 1's down shrinks) up to this many routed rows per expert (M*topk/E); beyond,
-# LoRA shrink and expand launches run before each stage (lora_in_stages). 2026-11-24, Mixtral (tuned
-# two-stage at every batch), rank 16, 4 adapters, 5 interleaved rounds, mixed adapters / every token -1
-# over the plain forward, in the stages against the launches. H100: M=1 (0.25 rows per expert) 1.043x /
-# 1.004x against 1.083x / 1.023x, M=2 1.022x / 0.999x against 1.054x / 1.013x, M=4 (1 row) 1.049x / 1.016x
-# against 1.049x / 1.014x, M=16 (4 rows) 1.037x / 1.013x against 1.037x / 1.005x, M=128 1.182x / 1.068x
-# against 1.087x / 1.007x. H200: M=1 1.046x / 0.995x against 1.121x / 1.027x, M=4 1.061x / 1.009x
-# against 1.076x / 1.016x. (Up to 1 row per expert these batches ran fused before: H100 M=1 1.031-1.07x /
-# 1.015-1.056x over three runs, M=4 1.124x / 1.107x, with 3x the relative error, 1.3e-2 against 3.9e-3,
-# from its 112 bf16 atomic adds per output element.)
+# With adapters, the two stages compute the deltas themselves (no LoRA launches) up to this many routed rows
+# per expert (M*topk/E), LoRA launches run beyond (lora_in_stages). Measurements and the rule in full:
+# docs/lora.md#deltas-in-the-stages-up-to-1-row-per-expert
 LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT = 1
-# With adapters, fused slices beyond one wave are at least this wide (fit_lora_config_to_problem). H200,
-# 2026-11-24, Qwen3-30B-A3B M=16 (plain pick BLOCK_N=64, 4 warps), rank 16, 4 adapters, 5 interleaved
-# rounds, mixed / every token -1 over plain: 1.358x / 1.096x with 64 columns (1.366x / 1.111x with 8
-# warps), 1.092x / 1.023x with 128 columns (8 warps, 3 stages, what the widening gives).
+# With adapters, fused slices beyond one wave are at least this wide (fit_lora_config_to_problem): narrow ones
+# ran mixed adapters far slower. Measurements: docs/lora.md#slices-of-at-least-128-columns
 LORA_MIN_BLOCK_N = 128
 LORA_STACK_WIDTH = 128  # max stacked gate+up shrink columns (LORA_SLOTS * 2 * padded rank), see lora_constexprs
 
@@ -128,6 +116,13 @@ class FusedMoEConfig:
                 raise ValueError(f"config {name} must be an int >= 1, got {v!r}")
         if self.lora_num_stages is not None and (not isinstance(self.lora_num_stages, int) or self.lora_num_stages < 1):
             raise ValueError(f"config lora_num_stages must be None or an int >= 1, got {self.lora_num_stages!r}")
+        # Made once: torch.compile traces to_json() as a constant (it cannot trace json.dumps), and the
+        # hash is taken on every fused_moe call given a config (plans are keyed by it).
+        object.__setattr__(self, "_json", json.dumps(self.to_dict(), sort_keys=True))
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def launch_options(self, backend: str, stage2: bool = False) -> Dict[str, int]:
         """Keyword options for the Triton launch on ``backend`` ("cuda" or "hip")."""
@@ -145,6 +140,10 @@ class FusedMoEConfig:
             d = {k: v for k, v in d.items() if not k.lower().startswith("s2_")}
         return d
 
+    def to_json(self) -> str:
+        """:meth:`to_dict` as JSON (how ``torch.ops.fmoe2.fused_moe`` takes a config)."""
+        return self._json
+
     @classmethod
     def from_dict(cls, d: dict) -> "FusedMoEConfig":
         known = {f.name for f in fields(cls)}
@@ -152,11 +151,6 @@ class FusedMoEConfig:
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; expected {sorted(known)}")
         return cls(**{k: v for k, v in d.items() if k in known})
-
-
-def current_backend() -> str:
-    """"hip" on ROCm builds of torch, else "cuda" (also used under the CPU interpreter)."""
-    return "hip" if getattr(torch.version, "hip", None) else "cuda"
 
 
 def device_config_name(device: Optional[torch.device] = None) -> str:
@@ -179,10 +173,9 @@ def _load_json(path: str):
 
 
 def _arch_key(device) -> Optional[str]:
-    if current_backend() != "hip" or not torch.cuda.is_available():
-        return None
-    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
-    return arch.split(":")[0] or None
+    """The ROCm architecture of ``device`` ("gfx950"), which may have rules of its own in defaults.json."""
+    arch = target_of(device).arch
+    return arch if isinstance(arch, str) else None
 
 
 def lora_in_stages(cfg: FusedMoEConfig, M: int, E: int, topk: int) -> bool:
@@ -197,8 +190,8 @@ def lora_in_stages(cfg: FusedMoEConfig, M: int, E: int, topk: int) -> bool:
 
 def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:
     """Whether the fused kernel's grid, the most tiles any routing can fill (``max_busy_tiles``)
-    times the I slices (``ceil(I / BLOCK_N)``), holds at most one program per multiprocessor. On
-    132 multiprocessors: DeepSeek-V2-Lite (BLOCK_N=128) up to M=2, Mixtral (BLOCK_N=256) at M=1."""
+    times the I slices (``ceil(I / BLOCK_N)``), holds at most one program per multiprocessor (examples:
+    docs/configs.md#grids-of-one-wave)."""
     return max_busy_tiles(M * topk, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N) <= num_sms
 
 
@@ -213,10 +206,7 @@ def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: i
     slice program of a tile reads the tile's gate/up A over all of H (``2R x H`` per adapter)
     whatever its width, so narrow slices multiply that traffic. Where the two stages carry the
     adapter work (:func:`lora_in_stages`) stage 1's slices are widened likewise (no atomic adds to
-    cap there), then fitted. H200, 2026-11-24, Mixtral M=1 (tuned stage 1: 64 columns), rank 16,
-    4 adapters, 5 interleaved rounds: stage 1 alone with mixed adapters 122.3 us with 64 columns,
-    113.8 with 128 (plain: 113.2), before stage 1 also stored the down shrinks (with them: 115.9 at
-    128 columns, plain 113.6).
+    cap there), then fitted (measurements: docs/lora.md#slices-of-at-least-128-columns).
     """
     one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)
     in_stages = lora_in_stages(cfg, M, E, topk)
@@ -233,10 +223,8 @@ def gate_up_loop_shared_bytes(cfg: FusedMoEConfig, stages: int, element_bytes: i
     """Shared memory of a gate/up loop of the fused kernel: ``stages - 1`` buffers of the x tile,
     the gate/up weight tile and, with ``lora`` (the loop carrying adapter work), the widest stack
     of adapter A rows (``LORA_STACK_WIDTH``), each BLOCK_K wide. The kernel takes the larger of
-    its two loops. (sm_80 and sm_90 reports of ``fmoe2.codegen``: 110592 bytes for the plain loop
-    at BLOCK_N=64 x BLOCK_K=128 with 4 stages; with adapters 135168 there with one adapter slot,
-    204800 at 128 x 128 with 3 stages and 4 slots; this counts the widest stack, so 208896 and
-    204800.)"""
+    its two loops (checked against ``fmoe2.codegen``'s reports:
+    docs/configs.md#shared-memory-of-the-loops)."""
     rows = cfg.BLOCK_M + 2 * cfg.BLOCK_N + (LORA_STACK_WIDTH if lora else 0)
     return pipelined_loop_bytes(stages, rows * cfg.BLOCK_K, element_bytes)
 
@@ -248,9 +236,7 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DE
     ``one_wave``: the grid holds at most one program per multiprocessor
     (:func:`fused_grid_fits_one_wave`). ``shared_memory``: bytes one program may take. The LoRA
     loops' stages come down first, then the plain loops', to 2 each, then BLOCK_K is halved, until
-    both loops fit (:func:`gate_up_loop_shared_bytes`): the A100's 163 KiB did not hold 3 LoRA
-    stages at BLOCK_N=128 x BLOCK_K=128 (204800 bytes), nor fp32 inputs 3 plain stages there on the
-    H100 (278528 bytes). ``element_bytes``: of the input dtype.
+    both loops fit (:func:`gate_up_loop_shared_bytes`). ``element_bytes``: of the input dtype.
     Two-stage configs come back unchanged, unless ``in_stages`` (:func:`lora_in_stages`): their
     loops carry no adapter work then (the deltas come from ``_lora_shrink_kernel`` and
     ``_lora_expand_kernel``, see ``fmoe2/gemm/lora_kernel.py``). With ``in_stages`` stage 1's
@@ -258,30 +244,16 @@ def fit_lora_config(cfg: FusedMoEConfig, one_wave: bool, shared_memory: int = DE
 
     Tiles without adapters run the plain loops with the config's num_stages; only the loops that
     carry adapter work get ``lora_num_stages``. But warps and shared memory are the whole kernel's,
-    and they set how many programs share a multiprocessor. Measured with ``python -m fmoe2.codegen
-    --target sm_90 --lora-rank 16`` and ``python -m fmoe2.bench.lora_settings`` (results in
-    ``misc/bench/lora/settings_<device>.json``, 2026-11-24; rank 16, 4 adapters; ratios to the plain
-    forward, mixed adapters / every token -1, the variants taking turns over 5 rounds):
+    and they set how many programs share a multiprocessor. So (measurements:
+    docs/lora.md#warps-stages-and-k-tiles-of-the-adapter-loops):
 
-    * 8 warps where the pick has 4 and BLOCK_N >= 128, unless the grid is one wave. Beyond one
-      wave 8 warps ran mixed adapters faster: H200 DeepSeek M=16 1.088x / 1.021x against 1.105x /
-      1.011x with the pick's 4, Qwen3 M=16 1.132x / 1.029x against 1.152x / 1.018x, Qwen3 M=128
-      1.156x / 1.009x against 1.167x / 1.014x. Within one wave the pick's 4 warps cost adapter-free
-      tokens less on the H200: DeepSeek M=1 1.207x / 1.041x with 8, 1.193x / 1.027x with 4;
-      Mixtral M=1 1.034x / 1.013x, 1.036x / 1.003x. On the H100 DeepSeek M=1 gave 1.090x / 1.017x
-      with 8, 1.105x / 1.017x with 4 (an earlier run: 1.087x / 1.021x, 1.099x / 1.011x). The sm_90
-      LoRA kernel then spills some: 31 instructions at DeepSeek's BLOCK_N=128 x BLOCK_K=64 without
-      tensor descriptors (none with), 54 at the H200 Mixtral M=1 pick (BLOCK_N=256 x BLOCK_K=64,
-      whose plain kernel spills 40 with its 4 warps) (Triton 3.9).
-    * The LoRA loops get 4 stages only with small weight tiles (2 x BLOCK_N x BLOCK_K <= 16384;
-      BLOCK_N=128 x BLOCK_K=128 needed 233-307 KB) and only within one wave: 4 stages of BLOCK_N=128
-      x BLOCK_K=64 take 150 KB of shared memory (104 KB with 3), one program per multiprocessor
-      instead of two. That pays within one wave (H100 DeepSeek M=1, 4 warps: 1.105x with 4 stages,
-      1.156x with 3; H200 Qwen3 M=1: 1.145x, 1.227x) and costs every tile beyond (H200 DeepSeek
-      M=128: 1.152x / 1.022x with 4, 1.126x / 1.005x with 3).
-    * With 64-row tiles BLOCK_N=256 x BLOCK_K=64 needed 264 KiB at 3 stages: BLOCK_K is halved
-      (Mixtral M=1024: mixed adapters 1.71x of the plain forward; keeping BLOCK_K=64 with 2 LoRA
-      stages: 1.98x, though tiles without adapters then ran 1.15x instead of 1.34x).
+    * 8 warps where the pick has 4 and BLOCK_N >= 128, unless the grid is one wave: beyond one wave
+      8 warps ran mixed adapters faster; within it the pick's 4 cost adapter-free tokens less.
+    * The LoRA loops get 4 stages only with small weight tiles (2 x BLOCK_N x BLOCK_K <= 16384)
+      and only within one wave: 4 stages leave one program per multiprocessor instead of two,
+      which pays within one wave and costs every tile beyond.
+    * With 64-row tiles BLOCK_K is halved until 2 x BLOCK_N x BLOCK_K <= 16384 (wider tiles did not
+      fit shared memory at 3 stages).
     """
     if cfg.path != "fused":
         if not in_stages:
@@ -371,9 +343,8 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
 
 def pipelined_loop_bytes(stages: int, tile_elements: int, element_bytes: int) -> int:
     """Shared memory of a software-pipelined loop: ``stages - 1`` buffers of the tiles it loads
-    (``tile_elements`` per step). Matches what Triton asked for at launch on the H100 with fp32
-    inputs, 2026-11-24: 278528 bytes for a gate/up loop of (16 + 2 x 128) x 128 elements with 3
-    stages, 294912 for stage 2's (128 + 256) x 64 with 4 stages."""
+    (``tile_elements`` per step), as Triton asks for at launch (checked:
+    docs/configs.md#shared-memory-of-the-loops)."""
     return (stages - 1) * tile_elements * element_bytes
 
 
@@ -386,8 +357,8 @@ def fit_shared_memory(cfg: FusedMoEConfig, element_bytes: int, shared_memory: in
     Loops (tiles loaded per step): the gate/up loop of the fused kernel and of stage 1,
     ``(BLOCK_M + 2 * BLOCK_N) x BLOCK_K``; the fused kernel's down loop, ``BLOCK_H x BLOCK_N`` (same
     ``num_stages``); stage 2, ``(BLOCK_M + S2_BLOCK_N) x S2_BLOCK_K``. The configs tuned and shipped
-    for bf16/fp16 fit as they are; fp32 inputs double the bytes (on the H100, 2026-11-24, the default
-    configs then failed to launch from 8 routed rows per expert up: out of shared memory)."""
+    for bf16/fp16 fit as they are; fp32 inputs double the bytes, and some default configs then failed
+    to launch (measurements: docs/configs.md#shared-memory-of-the-loops)."""
     def trim(stages, block, loop_bytes):
         while stages > 2 and loop_bytes(stages, block) > shared_memory:
             stages -= 1
@@ -437,8 +408,8 @@ def get_config(
     cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned)
     if not lora:
         return cfg
-    return fit_lora_config_to_problem(cfg, M, E, H, I, topk, dtype, num_multiprocessors(device), backend,
-                                      shared_memory_per_program(device))
+    target = target_of(device)
+    return fit_lora_config_to_problem(cfg, M, E, H, I, topk, dtype, target.num_sms, backend, target.shared_memory)
 
 
 def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:
@@ -446,7 +417,7 @@ def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_di
     # Tuned files belong to the GPU that is here: not used when configs for another backend/arch are asked.
     foreign = (backend is not None and backend != current_backend()) or arch is not None
     backend = backend or current_backend()
-    shared_memory = DEFAULT_SHARED_MEMORY if foreign else shared_memory_per_program(device)
+    shared_memory = DEFAULT_SHARED_MEMORY if foreign else target_of(device).shared_memory
     tuned_file = None if foreign or not tuned else _load_json(
         os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
     if tuned_file:

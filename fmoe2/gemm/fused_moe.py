@@ -1,46 +1,126 @@
-"""Public ``fused_moe``: argument checks, config pick, then the launches: sort + fused kernel
-(fused path, zero workspace) or sort + stage 1 + stage 2 (two-stage path; with adapters, a LoRA
-shrink and expand run before stage 1 and again before stage 2, except at decode sizes, where the
-stages compute the deltas themselves)."""
+"""Public ``fused_moe``, in reading order: the op, argument validation, the plan, the launches.
+
+A call computes its key from what costs no device work (shapes, dtypes, strides and devices of
+its tensors, the other arguments, pointer alignment); a key seen before finds its plan
+(``plan.py``), whose launches run with this call's pointers. A new key goes through the full
+validation, picks and fits the config, lays out the scratch buffers, and runs the launches
+through Triton's JIT once (``launches.py`` describes them), which binds them for the next call.
+Under ``torch.compile`` the call is the registered op ``torch.ops.fmoe2.fused_moe``
+(``fmoe2/ops.py``). Host cost per call and how it was measured: docs/host_cost.md.
+"""
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+import math
+from typing import Optional, Union
 
 import torch
-import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor,
-                           interpreter_enabled, on_device)
-from ..reference import ACTIVATIONS
-from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
-from ..multiprocessors import num_multiprocessors, shared_memory_per_program
-from .config import (LORA_STACK_WIDTH, PATHS, FusedMoEConfig, current_backend, fit_config, fit_lora_config_to_problem,
-                     get_config, lora_in_stages)
-from .fused_moe_kernel import _fused_moe_kernel
-from .grouped_gemm_kernel import _grouped_gemm_kernel
+from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
+from ..launch import PlanCache, direct_launches, run_bound, tracing
+from ..reference import ACTIVATIONS, SWIGLU_ALPHA
+from ..target import Target, target_of
+from .config import PATHS, FusedMoEConfig, fit_config, fit_lora_config_to_problem, get_config
+from .launches import MoEProblem
 from .layout import PreparedMoEWeights
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
-from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
+from .plan import OUT_SOURCE, MoEPlan, build_plan
+
+PLANS = PlanCache()
 
 
-@dataclass
-class MoEProblem:
-    """Checked views of the arguments of one ``fused_moe`` call."""
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: Union[torch.Tensor, PreparedMoEWeights],
+    w2: Optional[torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    out: Optional[torch.Tensor] = None,
+    expert_map: Optional[torch.Tensor] = None,
+    config: Optional[FusedMoEConfig] = None,
+    path: str = "auto",
+    lora: Optional[Union[MoELoRA, PreparedMoELoRA]] = None,
+    token_lora_ids: Optional[torch.Tensor] = None,
+    w1_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    gate_up_interleaved: bool = False,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: Optional[float] = None,
+) -> torch.Tensor:
+    """MoE forward in two launches and no intermediate buffer (or three, with the two-stage path).
 
-    x: torch.Tensor  # [M, H]
-    w1: torch.Tensor  # plain [E, 2I, H] or interleaved [E, 2*I_pad, H_pad]
-    w2: torch.Tensor  # [E, H(_pad), I(_pad)]
-    gate_up_interleaved: bool
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    topk: int
-    lora: Optional[PreparedMoELoRA] = None
-    token_lora_ids: Optional[torch.Tensor] = None  # [M] int32
+    ``out[t] = sum_k topk_weights[t,k] * (act(x_t Wg_e^T) * (x_t Wu_e^T)) Wd_e^T``, ``e = topk_ids[t,k]``
+    (with biases: ``act(x_t Wg_e^T + bg_e, x_t Wu_e^T + bu_e) Wd_e^T + bd_e``).
 
+    Args:
+        hidden_states: ``[M, H]`` bf16 or fp16 (fp32 is accepted too, mainly for testing).
+        w1: ``[E, 2I, H]`` gate rows then up rows (any strides: a transposed ``[E, H, 2I]`` weight
+            passes as ``w.transpose(1, 2)``, read in place), same dtype; or a :class:`PreparedMoEWeights`
+            from :func:`fmoe2.prepare_weights` (then ``w2`` must be None).
+        w2: ``[E, H, I]`` down weights (any strides), same dtype.
+        topk_weights: ``[M, topk]`` float32 (bf16/fp16 accepted) routing weights.
+        topk_ids: ``[M, topk]`` int32/int64 expert ids (global ids when ``expert_map`` is given);
+            ids outside ``[0, E)`` (after the map) are dropped: they add nothing.
+        activation: ``"silu"`` (SwiGLU), ``"gelu"`` (erf GeGLU), ``"gelu_tanh"`` (tanh GeGLU) or
+            ``"swiglu_oai"`` (gpt-oss: ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``).
+        out: optional ``[M, H]`` output in the input dtype; it is overwritten (zeroed by the sort).
+        expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1; tokens
+            routed to other ranks' experts contribute nothing (their rows may stay zero).
+        config: optional :class:`FusedMoEConfig` overriding :func:`fmoe2.get_config`.
+        path: ``"auto"`` (the config's path: tuned per device, batch and shape), ``"fused"`` (sort +
+            one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing the
+            intermediate + stage 2 down GEMM; workspace sizes in docs/paths.md).
+        lora: optional :class:`fmoe2.MoELoRA` adapters (better: :func:`fmoe2.prepare_lora` of
+            them, done once; an unprepared one is converted on every call).
+        token_lora_ids: int32 ``[M]``, the adapter of each token, ``-1`` (or any id outside
+            ``[0, max_loras)``) for none; required with ``lora``.
+        w1_bias: optional ``[E, 2I]`` gate/up bias in ``w1``'s row order (plain weights; prepared
+            weights carry theirs). w2_bias: optional ``[E, H]`` down bias, added once per routed
+            (token, expert) pair and weighted like the rest.
+        gate_up_interleaved: plain ``w1``'s rows (and ``w1_bias``) are g0, u0, g1, u1, ... (gpt-oss)
+            instead of all gate rows then all up rows.
+        swiglu_alpha: swiglu_oai's alpha. swiglu_limit: None, or (silu and swiglu_oai) clamp gate to
+            at most it and up to ``[-limit, limit]`` before the activation (gpt-oss: 7.0).
+
+    Returns:
+        ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
+
+    Gate/up accumulate in fp32; the activated intermediate is rounded to the input dtype before
+    the down GEMM and partial results are added into ``out`` in the input dtype. With fp16,
+    values beyond 65504 in the intermediate or the output become inf: prefer bf16.
+    No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
+    Inference only: no autograd.
+    """
+    if tracing():
+        from ..ops import fused_moe_op_call
+
+        return fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, out=out,
+                                 expert_map=expert_map, config=config, path=path, lora=lora,
+                                 token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
+                                 gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
+                                 swiglu_limit=swiglu_limit)
+    call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
+                    token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit)
+    plan = PLANS.get(call[0]) if call is not None else None
+    if plan is not None and plan.launches is not None and direct_launches():
+        sources = call[1]
+        if out is None:
+            out = torch.empty_like(hidden_states)  # contiguous, as the key says hidden_states is
+            sources[OUT_SOURCE] = out.data_ptr()
+        else:
+            plan.check_out_overlap(sources)
+        run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device)
+        return out
+    return run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
+                       lora, token_lora_ids, call[0] if call is not None else None, plan, w1_bias=w1_bias,
+                       w2_bias=w2_bias, gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
+                       swiglu_limit=swiglu_limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
 
 def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype):
     """Checks the LoRA arguments of :func:`fused_moe`; returns ``lora`` (or None)."""
@@ -63,8 +143,41 @@ def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype):
     return lora
 
 
+def check_activation_args(activation, swiglu_alpha, swiglu_limit):
+    """``(swiglu_alpha, swiglu_limit)`` as the kernels take them: floats, the alpha normalised where the
+    activation does not read it; raises for bad values."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"{name} must be a float{' or None' if name == 'swiglu_limit' else ''}, got "
+                            f"{type(value).__name__}")
+    if swiglu_alpha is None or not math.isfinite(swiglu_alpha):
+        raise ValueError(f"swiglu_alpha must be a finite float, got {swiglu_alpha!r}")
+    if swiglu_limit is not None:
+        if activation not in ("silu", "swiglu_oai"):
+            raise ValueError(f"swiglu_limit clamps silu and swiglu_oai only, not activation={activation!r}")
+        if not swiglu_limit > 0 or not math.isfinite(swiglu_limit):
+            raise ValueError(f"swiglu_limit must be a positive finite float or None, got {swiglu_limit!r}")
+        swiglu_limit = float(swiglu_limit)
+    return (float(swiglu_alpha) if activation == "swiglu_oai" else SWIGLU_ALPHA), swiglu_limit
+
+
+def check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared):
+    """Checks ``w1_bias [E, 2I]`` and ``w2_bias [E, H]`` (None: no bias)."""
+    if prepared and (w1_bias is not None or w2_bias is not None):
+        raise ValueError("w1_bias/w2_bias go with plain weights; prepared weights carry their biases "
+                         "(fmoe2.prepare_weights(w1, w2, w1_bias=..., w2_bias=...))")
+    if w1_bias is not None:
+        check_tensor("w1_bias", w1_bias, dtypes=(dtype,), shape=(E, 2 * inter),
+                     shape_doc=f"[E, 2I] = [{E}, {2 * inter}] in w1's row order")
+    if w2_bias is not None:
+        check_tensor("w2_bias", w2_bias, dtypes=(dtype,), shape=(E, H), shape_doc=f"[E, H] = [{E}, {H}]")
+
+
 def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
-                         path="auto", lora=None, token_lora_ids=None) -> MoEProblem:
+                         path="auto", lora=None, token_lora_ids=None, *, w1_bias=None, w2_bias=None,
+                         gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=None) -> MoEProblem:
     """Validates every argument of :func:`fused_moe` on the host; raises TypeError/ValueError."""
     check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
     M, H = hidden_states.shape
@@ -76,6 +189,8 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
             raise TypeError(f"prepared weights have dtype {w1.dtype} but hidden_states has {dtype}")
         if w1.hidden_size != H:
             raise ValueError(f"prepared weights have hidden size {w1.hidden_size} but hidden_states has H={H}")
+        if gate_up_interleaved:
+            raise ValueError("gate_up_interleaved describes plain weights; prepared weights are interleaved already")
         E, inter = w1.num_experts, w1.intermediate_size
         w1_t, w2_t, interleaved = w1.w13, w1.w2, True
         check_tensor("w1.w13", w1_t, ndim=3, dtypes=(dtype,), shape_doc="[E, 2*I_pad, H_pad]")
@@ -85,16 +200,25 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
             raise ValueError(f"prepared weights are inconsistent with H={H}, I={inter}, E={E}: w13 "
                              f"{tuple(w1_t.shape)} must be [E, 2*I_pad, H_pad] and w2 {tuple(w2_t.shape)} "
                              f"[E, H_pad, I_pad] with I_pad >= I and H_pad >= H")
+        check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared=True)
+        for name, bias, shape in (("w1.b13", w1.b13, (E, w1_t.shape[1])), ("w1.b2", w1.b2, (E, w2_t.shape[1]))):
+            if bias is not None:
+                check_tensor(name, bias, dtypes=(dtype,), shape=shape, shape_doc=f"{list(shape)} (padded like the weights)")
+        w1_bias, w2_bias = w1.b13, w1.b2
     else:
-        check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]")
+        # Any strides: transposed layouts (transformers' gpt-oss stores [E, H, 2I]) are read in place.
+        check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
         if w1.dtype != dtype:
             raise TypeError(f"w1 must have the dtype of hidden_states ({dtype}), got {w1.dtype}")
         E, two_i, w1_h = w1.shape
         if two_i % 2 or w1_h != H:
-            raise ValueError(f"w1 must have shape [E, 2I, H] with H={H} (gate rows then up rows), got {tuple(w1.shape)}")
+            raise ValueError(f"w1 must have shape [E, 2I, H] with H={H} (gate rows then up rows, or interleaved "
+                             f"with gate_up_interleaved=True), got {tuple(w1.shape)}")
         inter = two_i // 2
-        check_tensor("w2", w2, dtypes=(dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]")
-        w1_t, w2_t, interleaved = w1, w2, False
+        check_tensor("w2", w2, dtypes=(dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]",
+                     contiguous=False)
+        check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared=False)
+        w1_t, w2_t, interleaved = w1, w2, bool(gate_up_interleaved)
     if E < 1 or inter < 1 or H < 1:
         raise ValueError(f"w1 must have E >= 1 experts and H, I >= 1, got E={E}, H={H}, I={inter}")
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc=f"[M, topk] with M={M}")
@@ -103,8 +227,7 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     topk = topk_ids.shape[1]
     check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(M, topk),
                  shape_doc=f"[M, topk] = [{M}, {topk}] like topk_ids")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    swiglu_alpha, swiglu_limit = check_activation_args(activation, swiglu_alpha, swiglu_limit)
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), shape_doc="[num_global_experts]")
         if expert_map.numel() < 1:
@@ -112,503 +235,193 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     if out is not None:
         check_tensor("out", out, dtypes=(dtype,), shape=(M, H), shape_doc=f"[M, H] = [{M}, {H}]")
         check_out_overlaps(out, hidden_states=hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
-                           topk_ids=topk_ids, expert_map=expert_map)
+                           topk_ids=topk_ids, expert_map=expert_map, w1_bias=w1_bias, w2_bias=w2_bias)
     if path not in ("auto",) + PATHS:
         raise ValueError(f"path must be one of {('auto',) + PATHS}, got {path!r}")
     if config is not None and not isinstance(config, FusedMoEConfig):
         raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
     lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype)
     check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
-                      topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids)
+                      topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids,
+                      w1_bias=w1_bias, w2_bias=w2_bias)
     # Every check has passed: only now convert unprepared adapters (allocates).
     prepared_lora = prepare_lora(lora) if lora is not None else None
     if out is not None and prepared_lora is not None:
         check_out_overlaps(out, token_lora_ids=token_lora_ids, **prepared_lora.tensors())
-    return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids)
+    return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids,
+                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit)
 
 
-def grid_tiles(problem: MoEProblem, sorting: MoESortingResult) -> int:
-    """Tiles the grids are sized for: the most any routing can fill (see ``max_busy_tiles``)."""
-    return max_busy_tiles(problem.x.shape[0] * problem.topk, problem.num_experts, sorting.block_m)
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.shape, t.dtype, t.stride(), t.get_device()
 
 
-@dataclass
-class TwoStageWorkspace:
-    """Buffers of the two-stage path, in sorted-row order (``grid_tiles * BLOCK_M`` rows)."""
-
-    # [rows, I] view of a [rows, I rounded up to 8] buffer (16-byte rows, for tensor descriptors), input
-    # dtype: activated intermediate, routing weight applied
-    y: torch.Tensor
-    # With adapters: partial shrinks [splits, rows, 2R] / [splits, rows, R] float32 (R the padded rank)
-    # of the gate/up and the down deltas, and the gate/up deltas [rows, 2I] (input dtype, gate then up);
-    # only rows with an adapter are written and read. Where the stages compute the deltas
-    # (deltas_in_stages) only lora_shrink2, one split per I slice of stage 1.
-    lora_shrink13: Optional[torch.Tensor] = None
-    lora_shrink2: Optional[torch.Tensor] = None
-    lora_delta13: Optional[torch.Tensor] = None
-
-    @classmethod
-    def allocate(cls, problem: MoEProblem, sorting: MoESortingResult,
-                 config: Optional[FusedMoEConfig] = None) -> "TwoStageWorkspace":
-        """With adapters, the buffers of the LoRA shrink and expand launches, or with a ``config``
-        whose stages compute the deltas (:func:`deltas_in_stages`) those of the down shrinks."""
-        rows = grid_tiles(problem, sorting) * sorting.block_m
-        x = problem.x
-        # Row stride padded to 16 bytes so stage 2 can read y through a tensor descriptor.
-        inter = problem.intermediate_size
-        y = torch.empty(rows, -(-inter // 8) * 8, dtype=x.dtype, device=x.device)[:, :inter]
-        ws = cls(y=y)
-        if config is not None and deltas_in_stages(problem, config):
-            ws.lora_shrink2 = torch.empty(triton.cdiv(inter, config.BLOCK_N), rows, problem.lora.padded_rank,
-                                          dtype=torch.float32, device=x.device)
-        elif problem.lora is not None:
-            tiles, R = grid_tiles(problem, sorting), problem.lora.padded_rank
-            for name, K, parts in (("lora_shrink13", problem.hidden_size, 2), ("lora_shrink2", inter, 1)):
-                splits = lora_shrink_splits(tiles, K, x.device)
-                setattr(ws, name, torch.empty(splits, rows, parts * R, dtype=torch.float32, device=x.device))
-            ws.lora_delta13 = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
-        return ws
-
-
-TMA_MAX_BLOCK = 256  # largest tensor-descriptor block dimension (a hardware limit of the copy engine)
-
-
-def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bool:
-    """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared 16-bit
-    weights (rows padded to 16 bytes, as descriptors need) on CUDA. Triton lowers descriptors to the
-    bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
-    load compiled to 2-byte loads, so HIP keeps its pointer loads. fp32 (a testing dtype) keeps
-    pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90."""
-    return (config.tma and backend == "cuda" and problem.gate_up_interleaved
-            and problem.x.dtype in (torch.bfloat16, torch.float16))
-
-
-def pdl_enabled(config: FusedMoEConfig, problem: MoEProblem, backend: str) -> bool:
-    """Whether the launches after the sort are programmatic dependents (``config.pdl``): on CUDA GPUs
-    of compute capability 9 or newer (``griddepcontrol``), never under the interpreter or on ROCm.
-    Meta tensors (``fmoe2.codegen``, which checks the target) take the config as given."""
-    device = problem.x.device
-    if not config.pdl or backend != "cuda" or device.type == "cpu" or interpreter_enabled():
-        return False
-    return device.type == "meta" or torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _descriptor(t: torch.Tensor, block) -> Optional[TensorDescriptor]:
-    """Tensor descriptor of ``t`` ([E, rows, cols] viewed as [E * rows, cols], or 2-D) in ``block``
-    tiles; None (the kernels then use pointer loads) where the copy engine cannot take it: a block
-    dimension over TMA_MAX_BLOCK, or a base address or row stride that is not a multiple of 16 bytes."""
-    t2 = t.view(-1, t.shape[-1]) if t.dim() == 3 else t
-    row_bytes = t2.stride(0) * t2.element_size()
-    if max(block) > TMA_MAX_BLOCK or t2.stride(1) != 1 or row_bytes % 16 or t2.data_ptr() % 16:
+def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
+             token_lora_ids, w1_bias=None, w2_bias=None, gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA,
+             swiglu_limit=None):
+    """``(key, device addresses)`` of a call: the key holds everything the plan depends on and that
+    validation checks (shapes, dtypes, strides, devices, which optional tensors are given, the
+    other arguments, whether every pointer is 16-byte aligned); the addresses are the call's
+    :data:`~fmoe2.gemm.plan.INPUT_SOURCES` (``out``: 0 when not given). None for arguments the
+    key does not cover (not tensors, unprepared adapters): the call then takes the checked path,
+    which raises the right error or runs it."""
+    if (type(activation) is not str or type(path) is not str or type(gate_up_interleaved) is not bool
+            or type(swiglu_alpha) not in (float, int) or (swiglu_limit is not None and type(swiglu_limit) not in
+                                                          (float, int))
+            or (config is not None and type(config) is not FusedMoEConfig)):
         return None
-    return TensorDescriptor.from_tensor(t2, list(block))
+    try:
+        if type(w1) is PreparedMoEWeights:
+            if w2 is not None or w1_bias is not None or w2_bias is not None:
+                return None  # (validation names the argument)
+            w1t, w2t = w1.w13, w1.w2
+            weights = (w1.hidden_size, w1.intermediate_size)
+            w1_bias, w2_bias = w1.b13, w1.b2  # the prepared weights' own biases
+        else:
+            w1t, w2t, weights = w1, w2, None
+        x, tw, ti = hidden_states, topk_weights, topk_ids
+        sources = [x.data_ptr(), w1t.data_ptr(), w2t.data_ptr(), tw.data_ptr(), ti.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
+                   0, 0]
+        key = (activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+               # (written out: this runs on every call)
+               x.shape, x.dtype, x.stride(), x.get_device(), w1t.shape, w1t.dtype, w1t.stride(), w1t.get_device(),
+               w2t.shape, w2t.dtype, w2t.stride(), w2t.get_device(), tw.shape, tw.dtype, tw.stride(), tw.get_device(),
+               ti.shape, ti.dtype, ti.stride(), ti.get_device(),
+               (sources[0] | sources[1] | sources[2] | sources[3] | sources[4]) % 16 == 0)
+        if out is None and expert_map is None and lora is None and token_lora_ids is None and w1_bias is None \
+                and w2_bias is None:
+            return key, sources
+        extra = []
+        if out is not None:
+            extra.extend(_tensor_key(out))
+            sources[5] = out.data_ptr()
+        else:
+            extra.append(None)
+        if expert_map is not None:
+            extra.extend(_tensor_key(expert_map))
+            sources[6] = expert_map.data_ptr()
+        else:
+            extra.append(None)
+        if lora is not None or token_lora_ids is not None:
+            if type(lora) is not PreparedMoELoRA or token_lora_ids is None:
+                return None
+            extra.extend((lora.rank, lora.hidden_size, lora.intermediate_size, *_tensor_key(token_lora_ids)))
+            sources[7] = token_lora_ids.data_ptr()
+            for i, t in enumerate((lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling)):
+                extra.extend(_tensor_key(t))
+                sources[8 + i] = t.data_ptr()
+        for i, bias in ((13, w1_bias), (14, w2_bias)):
+            if bias is not None:
+                extra.extend(_tensor_key(bias))
+                sources[i] = bias.data_ptr()
+            else:
+                extra.append(None)
+        aligned = 0
+        for ptr in sources[5:]:
+            aligned |= ptr
+        extra.append(aligned % 16 == 0)
+        return key + tuple(extra), sources
+    except (AttributeError, TypeError):  # not tensors: validation names the argument
+        return None
 
 
-def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
-                        config: FusedMoEConfig, backend: str, workspace: Optional[TwoStageWorkspace] = None):
-    """Grid, arguments and options of the fused kernel (shared by the launcher and ``fmoe2.codegen``).
-
-    With ``workspace`` it is stage 1 of the two-stage path: it stores the intermediate into
-    ``workspace.y`` (and, with adapters, adds the gate/up deltas of ``workspace.lora_delta13``).
-    """
-    y = workspace.y if workspace is not None else None
-    delta13 = workspace.lora_delta13 if workspace is not None else None
-    # Deltas in the stages: stage 1 stores its slices' down shrinks.
-    shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
-    num_grid_tiles = grid_tiles(problem, sorting)
-    grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
-    tma = tma_enabled(config, problem, backend)
-    args = dict(
-        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y if y is not None else out,
-        w13_desc=_descriptor(problem.w1, (2 * config.BLOCK_N, config.BLOCK_K)) if tma else None,
-        w2_desc=_descriptor(problem.w2, (config.BLOCK_H, config.BLOCK_N)) if tma else None,
-        sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_weights_ptr=sorting.sorted_weights,
-        sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
-        num_tokens=problem.x.shape[0], H=problem.hidden_size, I=problem.intermediate_size,
-        num_grid_tiles=num_grid_tiles,
-        stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
-        stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1), stride_out_m=out.stride(0),
-        stride_y_m=y.stride(0) if y is not None else 0,
-        stride_delta13_m=delta13.stride(0) if delta13 is not None else 0,
-        **_lora_args(problem, out),
-        num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, out),
-        lora_delta13_ptr=delta13 if delta13 is not None else out,
-        lora_shrink2_ptr=shrink2 if shrink2 is not None else out,
-        stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else 0,
-    )
-    constexprs = dict(
-        ACTIVATION=activation, GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
-        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
-        GROUP_M=config.GROUP_M, STORE_Y=y is not None,
-        HAS_LORA=problem.lora is not None,
-        LORA_DELTAS_READY=delta13 is not None,
-        # Unused without adapters: a constant there, so a LoRA-fitted config adds no plain compile.
-        LORA_STAGES=(config.lora_num_stages or config.num_stages) if problem.lora is not None else 1,
-        PDL=pdl_enabled(config, problem, backend),
-        **lora_constexprs(problem.lora, problem.x.shape[0] * problem.topk, problem.num_experts),
-    )
-    return grid, args, constexprs, {**config.launch_options(backend), **_pdl_option(constexprs["PDL"])}
+BASE_KEY_ALIGNED = 27  # where the base key holds the alignment of the five pointers every call has
 
 
-def _pdl_option(pdl: bool) -> dict:
-    """The launch option that goes with a PDL=True kernel (its gdc_wait makes the early start safe)."""
-    return {"launch_pdl": True} if pdl else {}
+def key_aligned(key: tuple) -> bool:
+    """Whether every pointer of the call of ``key`` is 16-byte aligned (its launches may be bound)."""
+    return key[BASE_KEY_ALIGNED] and key[-1]
 
 
-def deltas_in_stages(problem: MoEProblem, config: FusedMoEConfig) -> bool:
-    """Whether this forward's two stages compute the adapter deltas themselves (no LoRA launches; the
-    only LoRA workspace holds stage 1's down shrinks; :func:`fmoe2.gemm.config.lora_in_stages` says
-    where)."""
-    return problem.lora is not None and lora_in_stages(config, problem.x.shape[0], problem.num_experts, problem.topk)
+def clear_plans() -> None:
+    """Drops every cached plan (they are rebuilt on the next calls)."""
+    PLANS.clear()
 
 
-def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts: int) -> dict:
-    """LORA_RANK, LORA_IDS and LORA_SLOTS for ``num_rows`` = M*topk routed rows.
-
-    With fewer rows than experts, tiles hold about one row, hence one adapter: one slot.
-    Otherwise as many slots as adapters within LORA_STACK_WIDTH: measured on the H200 (rank 16,
-    4 adapters), 4 slots against 1 ran Qwen3/DeepSeek M=16 at 1.12x of the plain forward instead
-    of 1.19-1.25x, and M=128 at 1.12-1.15x instead of 1.70-1.81x.
-    """
-    if lora is None:
-        return dict(LORA_RANK=16, LORA_IDS=1, LORA_SLOTS=1)
-    ids = triton.next_power_of_2(lora.num_loras)
-    slots = min(ids, max(1, LORA_STACK_WIDTH // (2 * lora.padded_rank)))
-    if num_rows < num_experts:
-        slots = 1
-    return dict(LORA_RANK=lora.padded_rank, LORA_IDS=ids, LORA_SLOTS=slots)
+def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
+    """The config a forward runs: ``get_config``'s pick, or the caller's fitted like one."""
+    if config is None:
+        return get_config(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
+                          problem.topk, problem.x.dtype, device=problem.x.device, path=path,
+                          lora=problem.lora is not None)
+    return fit_given_config(config, problem, path, target)
 
 
-def _num_lora_tokens(problem: MoEProblem, sorting: MoESortingResult, stand_in: torch.Tensor) -> torch.Tensor:
-    """The sort's count of tokens with an adapter (``stand_in`` without adapters: never read)."""
+def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto",
+                     target: Optional[Target] = None) -> FusedMoEConfig:
+    """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
+    (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config_to_problem`)."""
+    target = target or target_of(problem.x.device)
+    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path,
+                        backend=target.backend, shared_memory=target.shared_memory)
     if problem.lora is None:
-        return stand_in
-    if sorting.num_lora_tokens is None:
-        raise ValueError("with lora, the sorting result must be allocated with count_lora_tokens=True")
-    return sorting.num_lora_tokens
+        return config
+    return fit_lora_config_to_problem(config, problem.num_tokens, problem.num_experts, problem.hidden_size,
+                                      problem.intermediate_size, problem.topk, problem.x.dtype, target.num_sms,
+                                      target.backend, shared_memory=target.shared_memory)
 
 
-# (pointer argument, stride prefix, row-stride suffix) of the LoRA tensors a13, b13, a2, b2.
-_LORA_TENSOR_ARGS = (("lora_a13_ptr", "la13", "r"), ("lora_b13_ptr", "lb13", "r"), ("lora_a2_ptr", "la2", "r"),
-                     ("lora_b2_ptr", "lb2", "r"))
-
-
-def _lora_args(problem: MoEProblem, out: torch.Tensor) -> dict:
-    """The fused kernel's LoRA arguments; without LoRA, stand-ins that are never dereferenced."""
-    lora = problem.lora
-    if lora is None:
-        args = dict(token_lora_ids_ptr=out, lora_scaling_ptr=out, num_loras=0)
-        tensors, strides = (out,) * 4, ((0, 0, 0),) * 4
-    else:
-        args = dict(token_lora_ids_ptr=problem.token_lora_ids, lora_scaling_ptr=lora.scaling,
-                    num_loras=lora.num_loras)
-        tensors = (lora.a13, lora.b13, lora.a2, lora.b2)
-        strides = tuple(t.stride()[:3] for t in tensors)  # (adapter, expert, row)
-    for (ptr_name, prefix, row), t, (s_l, s_e, s_row) in zip(_LORA_TENSOR_ARGS, tensors, strides):
-        args.update({ptr_name: t, f"stride_{prefix}_l": s_l, f"stride_{prefix}_e": s_e, f"stride_{prefix}_{row}": s_row})
-    return args
-
-
-# Two-stage LoRA kernels (lora_kernel.py). The shrink's BLOCK_K: see lora_kernel_options. Expand
-# BLOCK_N and the programs per multiprocessor from a sweep on the H100 (2026-11-23; rank 16, 4 adapters,
-# mixed; Mixtral M=1-1024, Qwen3 and DeepSeek M=16-1024; BLOCK_N 64/128 x expand 1/2/4 x shrink 1/2
-# programs per SM): 128 / 2 / 2 was best or within 2% of best at every point; BLOCK_N=64 was up to
-# 2.5% slower, and one program per SM for both up to 6% slower (Qwen3 M=16: 331.7 vs 312.5 us).
-LORA_BLOCK_K = 64  # shrink step
-LORA_SHRINK_PROGRAMS_PER_SM = 2
-LORA_EXPAND_PROGRAMS_PER_SM = 2
-LORA_MAX_SHRINK_SPLITS = 16  # every expand program reads and sums this many partial shrinks
-
-
-def lora_kernel_options(block_m: int, backend: str, cuda_arch: Optional[int]) -> dict:
-    """Warps and pipeline stages of the two-stage LoRA kernels (``cuda_arch``: e.g. 90; None: unknown).
-
-    CUDA sm_90 and newer (and an unknown GPU): 4 warps and 4 stages up to 64-row tiles, 8 warps for
-    128 rows. H100 sweep (2026-11-23, the four LoRA launches summed, Qwen3 / DeepSeek M=1024, Mixtral
-    M=128; 4 or 8 warps x 2-4 stages x shrink BLOCK_K 64/128): 4 warps, 4 stages, BLOCK_K=64 took
-    114.8 / 77.3 / 45.0 us against 172.7 / 107.9 / 62.6 with 8 warps, 2 stages, BLOCK_K=128. That
-    holds though the sm_90 gate/up expand then spills 10 instructions at 64-row tiles; at 128 rows 4
-    warps spilled hundreds. Older CUDA GPUs (not measured): 8 warps, 2 stages, where sm_80 code has
-    no spills up to 64-row tiles (with 4 warps the sm_80 down expand spilled 280 instructions at 64
-    rows); at 128 rows Triton 3.9 spills 4 instructions in the gate/up shrink and Triton 3.6 42 in the
-    down expand (3 stages: none under 3.9, 58 under 3.6; kept at 2 until measured on one). HIP:
-    8 warps, 2 stages (4 stages of the shrink's tiles would not fit gfx942's 64 KiB of LDS;
-    compiled without spills, see ``fmoe2.codegen``)."""
-    if backend == "hip" or (cuda_arch is not None and cuda_arch < 90):
-        return {"num_warps": 8, "num_stages": 2}
-    return {"num_warps": 4 if block_m <= 64 else 8, "num_stages": 4}
-
-
-def cuda_arch_of(device) -> Optional[int]:
-    """Compute capability as 10 * major + minor of a CUDA device; None for CPU or meta tensors and
-    under the interpreter."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreter_enabled():
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
-
-
-def lora_expand_block_n(block_m: int, backend: str, cuda_arch: Optional[int]) -> int:
-    """Expand columns per step.
-
-    * sm_90 and newer (and an unknown GPU): 128 (H100 sweep, see above). At 128-row tiles (8 warps,
-      4 stages) 128 columns against 64, the four LoRA launches summed (``python -m
-      fmoe2.bench.lora_settings``, 2026-11-24, Mixtral / DeepSeek M=1024): H100 152.9 / 85.8 us
-      against 168.1 / 87.5, H200 147.8 / 84.8 against 151.6 / 86.2. There the gate/up expand spills
-      2 instructions under Triton 3.6 and none under 3.9. (4 warps, 3 stages, 64 columns: H100
-      158.1 / 84.8 us, H200 151.0 / 81.2: best at DeepSeek, 3.4% behind at H100 Mixtral.)
-    * HIP: 64 (128 spilled 65 VGPRs in the 32-row gate/up expand on gfx942).
-    * Older CUDA GPUs: 128, 64 from 64-row tiles. There bf16 atomic adds are compare-and-swap loops
-      and the down expand spills with wide tiles (sm_80, 8 warps, 2 stages, ``fmoe2.codegen`` over
-      three shapes, M 1-4096): 64-row tiles at 128 columns spilled 60 instructions under Triton 3.6,
-      128-row tiles at 128 columns 328 under Triton 3.9. With this rule Triton 3.9 spills nothing in
-      the expands; Triton 3.6 still spills 42 in the 128-row down expand (at 32 columns that one was
-      clean under 3.6 but spilled 48 under 3.9).
-    """
-    if backend == "hip":
-        return 64
-    if cuda_arch is not None and cuda_arch < 90:
-        return 64 if block_m >= 64 else 128
-    return 128
-
-
-def lora_splits(num_grid_tiles: int, length: int, block: int, programs_per_sm: int, device) -> int:
-    """Programs per tile sharing a loop of ``length`` in ``block`` steps: about ``programs_per_sm``
-    programs per multiprocessor in all (off-GPU, the interpreter, 8 in all, so small tests split
-    too), at most one per step."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        target = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 8
-    return max(1, min(triton.cdiv(length, block), triton.cdiv(target, num_grid_tiles)))
-
-
-def lora_shrink_splits(num_grid_tiles: int, K: int, device) -> int:
-    """Splits of the shrink's K loop (H or I), hence partial shrinks per row in the workspace."""
-    splits = lora_splits(num_grid_tiles, K, LORA_BLOCK_K, LORA_SHRINK_PROGRAMS_PER_SM, device)
-    return min(LORA_MAX_SHRINK_SPLITS, splits)
-
-
-def _lora_operands(problem: MoEProblem, workspace: TwoStageWorkspace, down: bool):
-    """(shrink input, A, B, partial-shrink workspace, K, N) of the gate/up or the down deltas."""
-    lora = problem.lora
-    if down:
-        return workspace.y, lora.a2, lora.b2, workspace.lora_shrink2, problem.intermediate_size, problem.hidden_size
-    return problem.x, lora.a13, lora.b13, workspace.lora_shrink13, problem.hidden_size, problem.intermediate_size
-
-
-def lora_shrink_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace, down: bool,
-                       backend: str, cuda_arch: Optional[int], pdl: bool = False):
-    """Two-stage path with adapters: the partial shrinks ``x @ A13^T`` (before stage 1) or, with
-    ``down``, ``y @ A2^T`` (after stage 1) into the workspace, K split over programs. ``pdl``:
-    launched as a programmatic dependent (see ``pdl_enabled``)."""
-    lora = problem.lora
-    a, la, _, shrink, K, _ = _lora_operands(problem, workspace, down)
-    args = dict(
-        a_ptr=a, token_lora_ids_ptr=problem.token_lora_ids, lora_a_ptr=la, shrink_ptr=shrink,
-        sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
-        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, a),
-        num_tokens=problem.x.shape[0], K=K, num_loras=lora.num_loras,
-        stride_a_m=a.stride(0), stride_la_l=la.stride(0), stride_la_e=la.stride(1), stride_la_r=la.stride(2),
-        stride_shrink_split=shrink.stride(0),
-    )
-    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_BLOCK_K, PDL=pdl,
-                      **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
-    options = {**lora_kernel_options(sorting.block_m, backend, cuda_arch), **_pdl_option(pdl)}
-    return (grid_tiles(problem, sorting), shrink.shape[0]), args, constexprs, options
-
-
-def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace,
-                       out: torch.Tensor, down: bool, backend: str, cuda_arch: Optional[int], pdl: bool = False):
-    """Two-stage path with adapters: the gate/up deltas into ``workspace.lora_delta13`` (before stage 1)
-    or, with ``down``, the down deltas added into ``out`` (before stage 2), from the summed partial
-    shrinks, N split over programs (see ``fmoe2/gemm/lora_kernel.py``). ``pdl``: launched as a
-    programmatic dependent."""
-    lora = problem.lora
-    num_grid_tiles = grid_tiles(problem, sorting)
-    _, _, lb, shrink, _, N = _lora_operands(problem, workspace, down)
-    dst = out if down else workspace.lora_delta13
-    args = dict(
-        shrink_ptr=shrink, token_lora_ids_ptr=problem.token_lora_ids, lora_b_ptr=lb, lora_scaling_ptr=lora.scaling,
-        dst_ptr=dst, sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
-        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, dst),
-        num_tokens=problem.x.shape[0], N=N, num_loras=lora.num_loras,
-        num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0), stride_dst_m=dst.stride(0),
-        stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1), stride_lb_r=lb.stride(2),
-    )
-    block_n = lora_expand_block_n(sorting.block_m, backend, cuda_arch)
-    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_N=block_n, PDL=pdl,
-                      **lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts))
-    num_splits = lora_splits(num_grid_tiles, N, block_n, LORA_EXPAND_PROGRAMS_PER_SM, out.device)
-    options = {**lora_kernel_options(sorting.block_m, backend, cuda_arch), **_pdl_option(pdl)}
-    return (num_grid_tiles, num_splits), args, constexprs, options
-
-
-def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult,
-                         workspace: TwoStageWorkspace, config: FusedMoEConfig, backend: str):
-    """Two-stage path, stage 2: ``out[token] += y[sorted row] @ w2[e]^T`` (grouped GEMM, atomics over top-k)."""
-    y = workspace.y
-    num_grid_tiles = grid_tiles(problem, sorting)
-    H = problem.hidden_size
-    lora = problem.lora if workspace.lora_delta13 is None else None  # down deltas here, or by their own launches
-    grid = (config.S2_SPLIT_K * num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
-    tma = tma_enabled(config, problem, backend)
-    args = dict(
-        a_ptr=y, b_ptr=problem.w2, c_ptr=out, sorted_ids_ptr=sorting.sorted_token_ids,
-        a_desc=_descriptor(y, (config.BLOCK_M, config.S2_BLOCK_K)) if tma else None,
-        b_desc=_descriptor(problem.w2, (config.S2_BLOCK_N, config.S2_BLOCK_K)) if tma else None,
-        b_rows_per_expert=problem.w2.shape[1],
-        expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
-        topk_weights_ptr=sorting.sorted_weights, num_valid_ids=problem.x.shape[0], N=H,
-        K=problem.intermediate_size, num_grid_tiles=num_grid_tiles, stride_a_m=y.stride(0),
-        stride_b_e=problem.w2.stride(0), stride_b_n=problem.w2.stride(1), stride_c_m=out.stride(0),
-    )
-    constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=True,
-                      BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
-                      GROUP_M=config.S2_GROUP_M, PDL=pdl_enabled(config, problem, backend),
-                      SPLIT_K=config.S2_SPLIT_K)
-    if lora is not None:
-        shrink, b2 = workspace.lora_shrink2, lora.b2
-        args.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,
-                    lora_scaling_ptr=lora.scaling, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting, out),
-                    num_loras=lora.num_loras, num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0),
-                    stride_lb_l=b2.stride(0), stride_lb_e=b2.stride(1), stride_lb_r=b2.stride(2))
-        lora_consts = lora_constexprs(lora, problem.x.shape[0] * problem.topk, problem.num_experts)
-        # Partial shrinks loaded per step of stage 2's sum: [splits, BLOCK_M, R] fp32, 4096 elements.
-        splits_per_step = max(1, 4096 // (config.BLOCK_M * lora.padded_rank))
-        constexprs.update(HAS_LORA=True, LORA_SPLITS_PER_STEP=splits_per_step, **lora_consts)
-    return grid, args, constexprs, {**config.launch_options(backend, stage2=True), **_pdl_option(constexprs["PDL"])}
-
-
-def fused_moe(
-    hidden_states: torch.Tensor,
-    w1: Union[torch.Tensor, PreparedMoEWeights],
-    w2: Optional[torch.Tensor],
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    activation: str = "silu",
-    out: Optional[torch.Tensor] = None,
-    expert_map: Optional[torch.Tensor] = None,
-    config: Optional[FusedMoEConfig] = None,
-    path: str = "auto",
-    lora: Optional[Union[MoELoRA, PreparedMoELoRA]] = None,
-    token_lora_ids: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """MoE forward in two launches and no intermediate buffer (or three, with the two-stage path).
-
-    ``out[t] = sum_k topk_weights[t,k] * (act(x_t Wg_e^T) * (x_t Wu_e^T)) Wd_e^T``, ``e = topk_ids[t,k]``.
-
-    Args:
-        hidden_states: ``[M, H]`` bf16 or fp16 (fp32 is accepted too, mainly for testing).
-        w1: ``[E, 2I, H]`` gate rows then up rows, same dtype; or a :class:`PreparedMoEWeights`
-            from :func:`fmoe2.prepare_weights` (then ``w2`` must be None).
-        w2: ``[E, H, I]`` down weights, same dtype.
-        topk_weights: ``[M, topk]`` float32 (bf16/fp16 accepted) routing weights.
-        topk_ids: ``[M, topk]`` int32/int64 expert ids (global ids when ``expert_map`` is given).
-        activation: ``"silu"`` (SwiGLU), ``"gelu"`` (erf GeGLU) or ``"gelu_tanh"`` (tanh GeGLU).
-        out: optional ``[M, H]`` output in the input dtype; it is overwritten (zeroed by the sort).
-        expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1; tokens
-            routed to other ranks' experts contribute nothing (their rows may stay zero).
-        config: optional :class:`FusedMoEConfig` overriding :func:`fmoe2.get_config`.
-        path: ``"auto"`` (the config's path: tuned per device, batch and shape, with or without
-            adapters, see :func:`fmoe2.get_config`), ``"fused"``
-            (sort + one fused kernel, zero workspace) or ``"two_stage"`` (sort + stage 1 writing
-            the intermediate ``[rows, I]`` in the input dtype + stage 2 down GEMM with ``topk``
-            atomic adds per output element; workspace ``y`` of at most
-            ``rows = (M*topk // BLOCK_M + min(E, M*topk)) * BLOCK_M`` x I elements, and with
-            ``lora`` also ``rows x 2I`` for the gate/up deltas, both in the input dtype, and the fp32
-            partial shrinks, at most ``16 x rows x 3R`` (R the padded rank); adapters add four
-            launches. Up to 1 routed row per expert the stages compute the deltas themselves: no
-            extra launch, and only ``ceil(I / BLOCK_N) x rows x R`` fp32 of down shrinks).
-        lora: optional :class:`fmoe2.MoELoRA` adapters (better: :func:`fmoe2.prepare_lora` of
-            them, done once; an unprepared one is converted on every call). Their deltas are
-            computed inside the fused kernel, or on the two-stage path by a shrink and an expand
-            kernel before each stage, at decode sizes inside the stages (see ``fmoe2/gemm/lora.py``,
-            ``fmoe2/gemm/lora_kernel.py`` and :func:`fmoe2.gemm.config.lora_in_stages`).
-        token_lora_ids: int32 ``[M]``, the adapter of each token, ``-1`` (or any id outside
-            ``[0, max_loras)``) for none; required with ``lora``.
-
-    Returns:
-        ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
-
-    Gate/up accumulate in fp32; the activated intermediate is rounded to the input dtype before
-    the down GEMM and partial results are added into ``out`` in the input dtype. With fp16,
-    values beyond 65504 in the intermediate or the output become inf: prefer bf16.
-    No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
-    """
-    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
-                                   path, lora, token_lora_ids)
-    M, H = hidden_states.shape
+def run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
+                token_lora_ids, key=None, plan: Optional[MoEPlan] = None, **options) -> torch.Tensor:
+    """A call that validates every argument, then runs its plan through Triton's JIT: the first
+    call of a key (which builds, runs and caches the plan), and every call whose launches cannot
+    be bound (``MoEPlan.direct``). ``options``: the biases, layout and activation parameters of
+    :func:`fused_moe`."""
+    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map,
+                                   config, path, lora, token_lora_ids, **options)
     if out is None:
         out = torch.empty_like(hidden_states)
-    if M == 0:
+    if problem.num_tokens == 0:
         return out
-    if config is None:
-        config = get_config(M, problem.num_experts, H, problem.intermediate_size, problem.topk, hidden_states.dtype,
-                            device=hidden_states.device, path=path, lora=problem.lora is not None)
-    else:
-        config = fit_given_config(config, problem, path)
+    if plan is None:
+        target = target_of(hidden_states.device)
+        plan = build_plan(problem, activation, pick_config(problem, config, path, target), target, topk_weights,
+                          topk_ids, out, expert_map, bindable=key is not None and key_aligned(key))
+        with on_device(hidden_states):
+            plan.run_jit(problem, topk_weights, topk_ids, out, expert_map)
+        if key is not None:
+            PLANS.put(key, plan)
+        return out
     with on_device(hidden_states):
-        for _, launch in forward_launches(problem, hidden_states, topk_weights, topk_ids, activation, out, expert_map,
-                                          config):
-            launch()
+        plan.run_jit(problem, topk_weights, topk_ids, out, expert_map)
     return out
 
 
-def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto") -> FusedMoEConfig:
-    """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
-    (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config`)."""
-    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path,
-                        shared_memory=shared_memory_per_program(problem.x.device))
-    if problem.lora is None:
-        return config
-    return fit_lora_config_to_problem(config, problem.x.shape[0], problem.num_experts, problem.hidden_size,
-                                      problem.intermediate_size, problem.topk, problem.x.dtype,
-                                      num_multiprocessors(problem.x.device),
-                                      shared_memory=shared_memory_per_program(problem.x.device))
+def plan_of(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
+            config=None, path="auto", lora=None, token_lora_ids=None, **options) -> Optional[MoEPlan]:
+    """The cached plan a call with these arguments runs (None before its first run)."""
+    call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
+                    token_lora_ids, **options)
+    return PLANS.get(call[0]) if call is not None else None
 
 
-def forward_launches(problem: MoEProblem, hidden_states, topk_weights, topk_ids, activation: str, out: torch.Tensor,
-                     expert_map, config: FusedMoEConfig) -> List[Tuple[str, Callable[[], None]]]:
-    """The launches of one forward, in order, as ``(name, launch)`` pairs, their buffers (sorting
-    results, two-stage workspace) allocated: ``sort``, then ``fused``, or ``stage1`` and ``stage2``
-    (with adapters, unless the stages compute the deltas (:func:`deltas_in_stages`),
-    ``lora_shrink13`` and ``lora_expand13`` before stage 1, ``lora_shrink2`` and ``lora_expand2``
-    before stage 2).
-    :func:`fused_moe` runs them in order; the benchmark also times each one alone."""
-    M = hidden_states.shape[0]
-    backend = current_backend()
-    lora = problem.lora
-    sorting = MoESortingResult.allocate(M * problem.topk, problem.num_experts, config.BLOCK_M, M, hidden_states.device,
-                                        count_lora_tokens=lora is not None)
-    # With PDL every launch after the sort starts while its predecessor runs and waits in-kernel; all but
-    # stage 2 signal their dependents early. With adapters the sort also counts the tokens that have one.
-    launches = [("sort", functools.partial(launch_moe_sorting, topk_ids, topk_weights, problem.num_experts,
-                                           expert_map, sorting, out, token_lora_ids=problem.token_lora_ids,
-                                           num_loras=lora.num_loras if lora is not None else 0,
-                                           launch_dependents=pdl_enabled(config, problem, backend)))]
+# ---------------------------------------------------------------------------------------------
+# The launches (each launch's description: launches.py; running them: plan.py)
+# ---------------------------------------------------------------------------------------------
 
-    def add(name, kernel, launch):
-        grid, args, constexprs, options = launch
-        launches.append((name, lambda: kernel[grid](**args, **constexprs, **options)))
+def forward_launches(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
+                     config=None, path="auto", lora=None, token_lora_ids=None, **options):
+    """The launches of one forward as ``(name, launch)`` pairs, on one scratch block kept for all of
+    them (the benchmark times each alone; tests run them one by one). Launched through Triton's JIT."""
+    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map,
+                                   config, path, lora, token_lora_ids, **options)
+    if out is None:
+        out = torch.empty_like(hidden_states)
+    target = target_of(hidden_states.device)
+    plan = build_plan(problem, activation, pick_config(problem, config, path, target), target, topk_weights, topk_ids,
+                      out, expert_map, bindable=False)
+    block = plan.layout.allocate(hidden_states.device)
+    specs = plan.specs(problem, topk_weights, topk_ids, out, expert_map, block)
 
-    workspace = TwoStageWorkspace.allocate(problem, sorting, config) if config.path == "two_stage" else None
-    lora_deltas = workspace is not None and lora is not None and not deltas_in_stages(problem, config)
-    if lora_deltas:
-        on = dict(backend=backend, cuda_arch=cuda_arch_of(hidden_states.device),
-                  pdl=pdl_enabled(config, problem, backend))
-        add("lora_shrink13", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down=False, **on))
-        add("lora_expand13", _lora_expand_kernel,
-            lora_expand_launch(problem, sorting, workspace, out, down=False, **on))
-    add("fused" if workspace is None else "stage1", _fused_moe_kernel,
-        fused_kernel_launch(problem, out, sorting, activation, config, backend, workspace))
-    if workspace is not None:
-        if lora_deltas:
-            add("lora_shrink2", _lora_shrink_kernel, lora_shrink_launch(problem, sorting, workspace, down=True, **on))
-            add("lora_expand2", _lora_expand_kernel,
-                lora_expand_launch(problem, sorting, workspace, out, down=True, **on))
-        add("stage2", _grouped_gemm_kernel, stage2_kernel_launch(problem, out, sorting, workspace, config, backend))
-    return launches
+    def launch(spec):
+        def run():
+            with on_device(hidden_states):
+                return spec.launch()
+        run.spec, run.block = spec, block
+        return run
+
+    return [(spec.name, launch(spec)) for spec in specs]

@@ -52,24 +52,35 @@ from .lora_kernel import (_down_shrink, _expand_gate_up, _own_rows, _own_shrink,
 
 
 @triton.jit
-def _gated_activation(gate, up, ACTIVATION: tl.constexpr):
-    """act(gate) * up in fp32 for silu (SwiGLU), gelu (erf GeGLU) and gelu_tanh (tanh GeGLU)."""
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr = 1.702,
+                      SWIGLU_LIMIT: tl.constexpr = None):
+    """The gated activation in fp32: ``act(gate) * up`` for silu (SwiGLU), gelu (erf GeGLU) and gelu_tanh
+    (tanh GeGLU); ``(up + 1) * gate * sigmoid(SWIGLU_ALPHA * gate)`` for swiglu_oai (gpt-oss). With
+    SWIGLU_LIMIT (silu and swiglu_oai) gate is first clamped to at most the limit and up to [-limit, limit]."""
+    if SWIGLU_LIMIT is not None:
+        gate = tl.minimum(gate, SWIGLU_LIMIT)
+        up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
     if ACTIVATION == "silu":
-        act = gate * tl.sigmoid(gate)
+        y = gate * tl.sigmoid(gate) * up
     elif ACTIVATION == "gelu":
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+        y = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    elif ACTIVATION == "swiglu_oai":
+        y = (up + 1.0) * gate * tl.sigmoid(SWIGLU_ALPHA * gate)
     else:
         # tanh(z) = 2*sigmoid(2z) - 1: portable (no libdevice) and overflow-safe.
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate * tl.sigmoid(2.0 * z)
-    return act * up
+        y = gate * tl.sigmoid(2.0 * z) * up
+    return y
 
 
 @triton.jit
-def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H, la_rows, la_used,
-             w13_desc, w13_row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H, la_rows,
+             la_used, w13_desc, w13_row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              GATE_UP_INTERLEAVED: tl.constexpr, WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice.
+
+    ``stride_w1_k``: the weights' stride along H (1, a constant, in fmoe2's layouts; transformers'
+    transposed layouts are read through their strides).
 
     STAGES: pipeline depth of the K loop (None: the launch's num_stages).
 
@@ -91,7 +102,7 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
             if w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
                 b = w13_desc.load([w13_row0, k0])
             else:
-                b = tl.load(w_rows + k[None, :], mask=r_valid[:, None] & k_valid[None, :], other=0.0)
+                b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             if WITH_LORA:
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
@@ -106,8 +117,8 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
             k_valid = k < H
             w_mask = n_valid[:, None] & k_valid[None, :]
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            bg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)
-            bu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+            bg = tl.load(gate_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
+            bu = tl.load(up_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
             gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
             up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
             if WITH_LORA:
@@ -116,10 +127,14 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r,
 
 
 @triton.jit
-def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, offs_n, n_valid, H, ds_stacked, lb2_rows, lb2_used,
-          w2_desc, w2_row0, slice_col0, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr,
-          WITH_LORA: tl.constexpr, STAGES: tl.constexpr):
+def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, ds_stacked, lb2_rows,
+          lb2_used, w2_desc, w2_row0, slice_col0, bias2_expert, bias_weight, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+          WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr = False):
     """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2t[lb2_rows]), over H in BLOCK_H chunks, atomically.
+
+    With HAS_BIAS (and WITH_BASE) also ``bias_weight[row] * bias2_expert[h]``: the down bias of the rows'
+    expert times their routing weight, ``bias_weight`` zero in all slices but the first (the bias is
+    added once per routed row).
 
     ``lb2_rows``: [STACK] pointers to the stacked rows of B2t ([R, H], H contiguous) at h = 0;
     WITH_BASE=False adds only the LoRA term (further slot groups); STAGES: pipeline depth (None:
@@ -134,9 +149,12 @@ def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, offs_n, n_valid, H, ds_
             if w2_desc is not None:
                 w = w2_desc.load([w2_row0 + h0, slice_col0])
             else:
-                w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :],
+                w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :] * stride_w2_i,
                             mask=h_valid[:, None] & n_valid[None, :], other=0.0)
             partial = tl.dot(y, tl.trans(w), input_precision="ieee")
+            if HAS_BIAS:
+                b2 = tl.load(bias2_expert + offs_h, mask=h_valid, other=0.0).to(tl.float32)
+                partial += bias_weight[:, None] * b2[None, :]
         else:
             partial = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         if WITH_LORA:
@@ -153,6 +171,8 @@ def _fused_moe_kernel(
     w2_ptr,  # [E, H(_pad), I(_pad)]
     w13_desc,  # None, or a tensor descriptor of interleaved w1 viewed [E * 2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]
     w2_desc,  # None, or a tensor descriptor of w2 viewed [E * H_pad, I_pad], block [BLOCK_H, BLOCK_N]
+    w1_bias_ptr,  # [E, 2I(_pad)] in w1's row order (HAS_W1_BIAS only): gate/up bias
+    w2_bias_ptr,  # [E, H(_pad)] (HAS_W2_BIAS only): down bias, added once per routed row, times its routing weight
     out_ptr,  # [M, H], zeroed by the sorting launch, receives atomic adds
     y_ptr,  # [num_grid_tiles * BLOCK_M, I] (STORE_Y only): activated, weighted intermediate in sorted order
     token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none (HAS_LORA only, like every lora_* below)
@@ -178,8 +198,12 @@ def _fused_moe_kernel(
     stride_x_m,
     stride_w1_e,
     stride_w1_n,
+    stride_w1_k,  # 1 (a constant) but for transposed weights read in place
     stride_w2_e,
     stride_w2_h,
+    stride_w2_i,  # 1 (a constant) but for transposed weights read in place
+    stride_b1_e,
+    stride_b2_e,
     stride_out_m,
     stride_y_m,
     stride_delta13_m,
@@ -198,6 +222,10 @@ def _fused_moe_kernel(
     stride_lb2_r,
     # meta-parameters
     ACTIVATION: tl.constexpr,
+    SWIGLU_ALPHA: tl.constexpr,  # swiglu_oai's alpha
+    SWIGLU_LIMIT: tl.constexpr,  # None, or the clamp of gate and up before the activation (silu, swiglu_oai)
+    HAS_W1_BIAS: tl.constexpr,
+    HAS_W2_BIAS: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -256,14 +284,9 @@ def _fused_moe_kernel(
     w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
     w2_row0 = (expert * (stride_w2_e // stride_w2_h)).to(tl.int32)
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK  # stacked shrink width
-    # Decode tiles (one slot: fewer routed rows than experts) with a small slice have a short K loop,
-    # so what sits around it is the long pole: there a batch without adapters skips numbering slots
-    # (cross-warp reductions before the first weight load) and the slice's B13t and A2 tiles are
-    # loaded before the loop (after it, each was one more wait on memory). Larger configs keep the
-    # plain order: there the skip raised sm_90 spills (Mixtral M=1024 defaults, Triton 3.9: 22 -> 98
-    # instructions) and tiles held across the loop overflowed shared memory (Qwen3 M=16, 4 slots,
-    # Triton 3.6: 237568 > 232448 bytes). The slice bound: preloading at BLOCK_N=256 (Mixtral M=1,
-    # rank 16) spilled 121 instructions on sm_90.
+    # Decode tiles (one slot: fewer routed rows than experts) with a small slice have a short K loop, so a batch
+    # without adapters skips numbering slots and the slice's B13t and A2 tiles load before the loop; larger configs
+    # and wider slices keep the plain order (spills, shared memory): docs/lora.md#decode-tiles-of-the-fused-kernel
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)
     ADD_READY_DELTAS: tl.constexpr = STORE_Y and HAS_LORA and LORA_DELTAS_READY
     if HAS_LORA and not ADD_READY_DELTAS:
@@ -284,7 +307,7 @@ def _fused_moe_kernel(
         num_present: tl.constexpr = 0  # a compile-time 0: the plain kernel takes only the plain branches
     if ADD_READY_DELTAS:
         # Two-stage path: LoRA deltas come ready from _lora_expand_kernel (see lora_kernel.py).
-        gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
+        gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None)
         # Add the deltas _lora_expand_kernel wrote; rows without an adapter have none (their loads
@@ -297,7 +320,7 @@ def _fused_moe_kernel(
             gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
             up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
     elif num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
-        gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
+        gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None)
         if HAS_LORA and LORA_DECODE:
@@ -320,7 +343,7 @@ def _fused_moe_kernel(
             la2_rows, d_slot, la2_used = _stack(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
                                                 present, slot_of, 0, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
             la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
-        gate, up, shrink = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, offs_n, n_valid, offs_r, r_valid, I, H,
+        gate, up, shrink = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
                                     la_rows, la_used, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
                                     GATE_UP_INTERLEAVED, True, 2 * STACK, LORA_STAGES)
         shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
@@ -349,8 +372,16 @@ def _fused_moe_kernel(
                                                    first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
                 gate, up = _expand_gate_up(gate, up, shrink_gate, shrink_up, lb_rows, lb_up, lb_used, offs_n, n_valid)
 
+    if HAS_W1_BIAS:  # gate/up bias of this slice, in w1's row order
+        b1 = w1_bias_ptr + expert * stride_b1_e
+        if GATE_UP_INTERLEAVED:
+            gate += tl.load(b1 + 2 * offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(b1 + 2 * offs_n + 1, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        else:
+            gate += tl.load(b1 + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(b1 + I + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     # The down GEMM is linear in y, so the routing weight is applied once here.
-    y = _gated_activation(gate, up, ACTIVATION) * route_weight[:, None]
+    y = _gated_activation(gate, up, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT) * route_weight[:, None]
     y = y.to(x_ptr.dtype.element_ty)
     if w13_desc is not None:
         # Columns past I came from padding or the next expert's rows; w2 has zeros there, but a value
@@ -379,10 +410,16 @@ def _fused_moe_kernel(
                 tl.store(shrink_rows[:, None] + tl.arange(0, LORA_RANK)[None, :], own,
                          mask=(row_slot >= 0)[:, None])
     else:
-        # Down GEMM of this slice over all of H, added into the output.
+        # Down GEMM of this slice over all of H, added into the output (with the down bias, by the first slice).
+        if HAS_W2_BIAS:
+            bias2_expert = w2_bias_ptr + expert * stride_b2_e
+        else:
+            bias2_expert = w2_bias_ptr
+        bias_weight = tl.where(slice_id == 0, route_weight, 0.0)
         if num_present == 0:
-            _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H, y, offs_n, n_valid,
-                  w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, False, None)
+            _down(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, y, offs_n, n_valid,
+                  w2_desc, w2_row0, slice_id * BLOCK_N, bias2_expert, bias_weight, BLOCK_M, BLOCK_H, True, False, None,
+                  HAS_W2_BIAS)
         else:
             # Down shrink of this slice for a slot group, t = y_slice @ A2[stack, slice]^T (each row keeps
             # its own slot's columns); its expand t @ B2t[stack, h chunk] rides the down loop.
@@ -395,9 +432,10 @@ def _fused_moe_kernel(
                 la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
             lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of, 0, LORA_IDS,
                                                   LORA_SLOTS, LORA_RANK, 1)
-            _down(y, out_rows, row_valid, w2_expert, stride_w2_h, offs_n, n_valid, H,
+            _down(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                   _down_shrink(y, la2, row_slot, d_slot, row_scale),
-                  lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
+                  lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, bias2_expert, bias_weight, BLOCK_M, BLOCK_H,
+                  True, True, LORA_STAGES, HAS_W2_BIAS)
             if LORA_SLOTS < LORA_IDS:
                 # Further slot groups: their own pass over H, atomics on their rows only.
                 for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
@@ -406,8 +444,8 @@ def _fused_moe_kernel(
                     lb2_rows, lb2_slot, lb2_used = _stack(b2_expert, stride_lb2_l, stride_lb2_r, present, slot_of,
                                                           first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
                     _down(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
-                          stride_w2_h, offs_n, n_valid, H,
+                          stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                           _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
                                        row_scale),
-                          lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, BLOCK_M, BLOCK_H, False, True,
-                          LORA_STAGES)
+                          lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, bias2_expert, bias_weight, BLOCK_M,
+                          BLOCK_H, False, True, LORA_STAGES)

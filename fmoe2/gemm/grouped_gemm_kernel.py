@@ -18,9 +18,7 @@ With ``HAS_LORA`` (fmoe2's stage 2 where the two stages compute the adapter delt
 down deltas of their rows after the K loop: stage 1 stored each I slice's partial down shrink
 ``y_slice @ A2[adapter, :, slice]^T`` per row; they are summed here and expanded with
 ``B2t[adapter, :, N block]`` into the accumulator, before its one atomic add. (Shrinking inside
-this K loop instead, on the y tiles already loaded, made stage 2 take 1.14-4.5x its plain time on
-an H200 at Mixtral M=1 and 2 over the S2_BLOCK_N, S2_SPLIT_K, warps and tensor-descriptor settings
-tried, 1.29x at the tuned ones, against 1.11x for these stored partials: 63.4 against 56.9 us.)
+this K loop instead was slower: docs/lora.md#the-down-shrink-inside-the-stage-2-k-loop.)
 """
 import triton
 import triton.language as tl
@@ -78,6 +76,15 @@ def _grouped_gemm_kernel(
     LORA_IDS: tl.constexpr = 1,  # next_pow2(num_loras)
     LORA_SLOTS: tl.constexpr = 1,  # adapters of one tile stacked into one operand
     LORA_SPLITS_PER_STEP: tl.constexpr = 1,  # partial shrinks loaded per step of their sum
+    stride_b_k=1,  # B's stride along K: 1 (a constant) but for transposed weights read in place
+    # Bias of B's outputs (HAS_BIAS), added once per row by the first K share: [E, N(_pad)]; with
+    # SCALE_BIAS_BY_ROW_WEIGHT times the row's weight row_weights_ptr[sorted row] (fmoe2's stage 2, whose A
+    # carries the routing weight already), else before MUL_ROUTED_WEIGHT's multiply (the baseline).
+    bias_ptr=None,
+    stride_bias_e=0,
+    row_weights_ptr=None,  # [num_grid_tiles * BLOCK_M] float32 in sorted-row order (SCALE_BIAS_BY_ROW_WEIGHT)
+    HAS_BIAS: tl.constexpr = False,
+    SCALE_BIAS_BY_ROW_WEIGHT: tl.constexpr = False,
 ):
     """Grid: (SPLIT_K * num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block),
     K shares slowest; programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
@@ -126,7 +133,7 @@ def _grouped_gemm_kernel(
             # Rows past this expert's N belong to the next expert: their columns are masked at the store.
             b = b_desc.load([b_row0, k0])
         else:
-            b = tl.load(b_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     if HAS_LORA:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
@@ -144,6 +151,12 @@ def _grouped_gemm_kernel(
                     own = _in_stack_columns(by_rank, row_slot, lb_slot, row_scale, b2_expert.dtype.element_ty,
                                             LORA_RANK, LORA_SLOTS * LORA_RANK)
                     acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+        bias = tl.where(k_first == 0, bias, 0.0)[None, :]  # added by the first K share only
+        if SCALE_BIAS_BY_ROW_WEIGHT:
+            bias = bias * tl.load(row_weights_ptr + offs_m)[:, None]
+        acc += bias
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
     c_ptrs = c_ptr + row_id[:, None] * stride_c_m + offs_n[None, :]

@@ -23,6 +23,7 @@ here are).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from einops import rearrange
@@ -42,6 +43,8 @@ class PreparedMoEWeights:
     w2: torch.Tensor  # [E, H_pad, I_pad], zero padded
     hidden_size: int  # H (logical)
     intermediate_size: int  # I (logical)
+    b13: Optional[torch.Tensor] = None  # [E, 2*I_pad] gate/up bias, interleaved like w13's rows, zero padded
+    b2: Optional[torch.Tensor] = None  # [E, H_pad] down bias, zero padded
 
     @property
     def num_experts(self) -> int:
@@ -62,27 +65,54 @@ class PreparedMoEWeights:
         w1 = rearrange(gate_up, "e two i h -> e (two i) h").contiguous()
         return w1, self.w2[:, :H, :inter].contiguous()
 
+    def unprepare_biases(self):
+        """Returns ``(w1_bias [E, 2I] gate then up, w2_bias [E, H])`` (None where there is none)."""
+        H, inter = self.hidden_size, self.intermediate_size
+        b1 = None
+        if self.b13 is not None:
+            b1 = rearrange(self.b13, "e (i two) -> e two i", two=2)[:, :, :inter].reshape(self.num_experts, 2 * inter)
+        return b1, self.b2[:, :H].contiguous() if self.b2 is not None else None
 
-def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64) -> PreparedMoEWeights:
-    """Converts plain ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` to the prepared layout.
 
-    Call once at load time; it allocates new tensors of (padded) weight size on the same device.
+def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_bias: Optional[torch.Tensor] = None,
+                    w2_bias: Optional[torch.Tensor] = None, gate_up_interleaved: bool = False) -> PreparedMoEWeights:
+    """Converts plain ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` (any strides) to the prepared layout.
+
+    ``w1_bias [E, 2I]`` and ``w2_bias [E, H]``: optional biases, ``w1_bias`` in ``w1``'s row order.
+    ``gate_up_interleaved``: ``w1``'s rows (and ``w1_bias``) are g0, u0, g1, u1, ... instead of all
+    gate rows then all up rows. Call once at load time; it allocates new tensors of (padded) weight
+    size on the same device.
     """
-    check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]")
+    check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
     E, two_i, H = w1.shape
     if two_i % 2:
         raise ValueError(f"w1 must have shape [E, 2I, H] (gate rows then up rows), got {tuple(w1.shape)}")
     inter = two_i // 2
-    check_tensor("w2", w2, dtypes=(w1.dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]")
+    check_tensor("w2", w2, dtypes=(w1.dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]",
+                 contiguous=False)
     if w2.device != w1.device:
         raise ValueError(f"w2 is on {w2.device} but w1 is on {w1.device}")
     if pad_to < 1:
         raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+    for name, bias, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
+        if bias is not None:
+            check_tensor(name, bias, dtypes=(w1.dtype,), shape=shape, shape_doc=f"{list(shape)}", contiguous=False)
+            if bias.device != w1.device:
+                raise ValueError(f"{name} is on {bias.device} but w1 is on {w1.device}")
     h_pad, i_pad = _round_up(H, pad_to), _round_up(inter, pad_to)
+    order = "e (i two) h -> e two i h" if gate_up_interleaved else "e (two i) h -> e two i h"
 
     w13 = w1.new_zeros(E, 2, i_pad, h_pad)
-    w13[:, :, :inter, :H] = rearrange(w1, "e (two i) h -> e two i h", two=2)
+    w13[:, :, :inter, :H] = rearrange(w1, order, two=2)
     w13 = rearrange(w13, "e two i h -> e (i two) h").contiguous()
     w2p = w2.new_zeros(E, h_pad, i_pad)
     w2p[:, :H, :inter] = w2
-    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter)
+    b13 = b2 = None
+    if w1_bias is not None:
+        b13 = w1_bias.new_zeros(E, 2, i_pad)
+        b13[:, :, :inter] = rearrange(w1_bias, order.replace(" h", ""), two=2)
+        b13 = rearrange(b13, "e two i -> e (i two)").contiguous()
+    if w2_bias is not None:
+        b2 = w2_bias.new_zeros(E, h_pad)
+        b2[:, :H] = w2_bias
+    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2)

@@ -18,27 +18,11 @@ see ``lora_in_stages`` in ``config.py``), seven launches: sort, ``_lora_shrink_k
 
 The shrink splits K (H or I) over programs and writes fp32 partials ``[splits, rows, parts * R]``
 (each row only its own adapter's R values per part); the expand sums them and splits the output
-columns. One kernel doing both (each program walking the whole shrink, then expanding its share of
-the columns) repeated the shrink in every column program and ran it as one serial loop over H or I:
-on the H100 (rank 16, 4 adapters, mixed) the split pair took Mixtral M=128 from 1.20x to 1.06x of
-the plain forward, M=1024 from 1.15x to 1.10x, Qwen3 M=1024 from 1.29x to 1.25x.
-
-Why not inside the stages, as the fused kernel does: there each I-slice program repeats the
-shrink over H and expands its own down partial, ``LORA_SLOTS * 2R / (2 * BLOCK_N)`` more GEMM work
-(1.56-1.77x the plain two-stage forward at M=1024 on the H100). Expanding precomputed per-row shrinks inside
-stage 1 (a stacked ``tl.dot`` after the K loop) added 25 KB of shared memory and 55 registers,
-which cost stage 1 a third of its resident programs: tiles without adapters ran 1.3-1.4x slower
-(H100, DeepSeek-V2-Lite and Mixtral, M=1024; an fp32 FMA expand kept the shared memory but not the
-registers and ran slower still). Adding a ready delta keeps stage 1's footprint (sm_90, tuned H100
-configs: 64 registers as plain for DeepSeek and Mixtral, 106 vs 105 for Qwen3, same shared
-memory) and leaves stage 2 untouched. The down expand was also tried inside stage 2 (its HAS_LORA
-steps fed the down shrink's partials, no ``_lora_expand_kernel`` launch for down; H100,
-2026-11-24, scratch run, rank 16, 4 adapters): stage 2 compiled with those steps ran slower even
-where no row had an adapter (Qwen3 M=1024 258.7 us against 164.2 plain, while the expand launch
-it saved took 26.9; DeepSeek M=4096 406.6 against 293.9, saving 54.3), and whole forwards over
-plain went from 1.235x / 1.017x (mixed / every token -1) to 1.323x / 1.065x at DeepSeek M=1024,
-from 1.247x / 1.012x to 1.381x / 1.069x at Qwen3 M=1024, from 1.086x / 1.008x to 1.120x / 1.041x
-at Mixtral M=128.
+columns. Two kernels, because one doing both repeated the shrink in every column program. Not
+inside the stages as the fused kernel does: there each I-slice program repeats the shrink over H,
+and expanding inside stage 1 cost it resident programs; stage 1 only adds a ready delta, which
+keeps its footprint as plain, and stage 2 is untouched (the down expand inside stage 2 made it
+slower even without adapters). Measurements: docs/lora.md#rejected-designs.
 """
 import triton
 import triton.language as tl

@@ -40,48 +40,45 @@ lora=...)``) one more program, the last, counts the tokens that have one (``num_
 the LoRA kernels read that count first, so a batch whose tokens all have -1 skips their adapter
 work.
 
-Measured (Qwen3-30B-A3B routing, E=128, topk=8, M=4096, zeroing a 16 MB output). Dense layout,
-H200: 256 zeroing programs launched before the expert programs took the sort from 34 us (no
-zeroing) to 59 us; 64 programs launched after them take 37 us, of which 27 us were a histogram
-pass (``tl.histogram``, bound by its shared-memory atomics). This layout, H100: 33 us with
-pass 1 counting three keys per entry under a mask (294 SASS instructions per 4096-entry step
-at 8 warps), 28 us with one unsigned comparison per entry and unmasked full steps (79
-instructions), 23 us with 2 programs per expert at 4 warps (``sort_programs``). The scatter
-(pass 2, about 650 instructions per step: a block-wide prefix sum and the stores' layout
-conversions through shared memory) is what is left; splitting each step into rows scanned
-within a warp kept Triton's store layout across warps and saved 25% of its instructions at
-twice the counting cost.
+Zeroing programs go after the expert programs because, launched before them, they delayed the
+sort; the counting pass makes one unsigned comparison per entry and loads full steps without a
+mask because it is bound by instruction issue; what is left is the scatter (measurements:
+docs/sorting.md#the-one-launch-sort).
 
 Chunked (two-launch) sort: the one-launch sort's work grows with ``E * M * topk`` (every
-expert's program scans every entry: 43.6 us for Qwen3 at M=8192 on the H100). Where
-``sort_chunk_size`` says so, a first launch (``_count_chunk_keys_kernel``) counts each sort key
-in every chunk of 256-1024 routing entries into a small table (``chunk_key_counts``, the only
-extra buffer), and the main kernel then runs with ``CHUNKED``: one program per chunk reads the
-table (the key totals give every expert's first row, the counts of earlier chunks the chunk's
-offset within it), sorts its chunk's ``key * chunk_size + position`` with ``tl.sort`` and writes
-each entry once; one program per expert only pads and labels its tiles. Same buffers, bit for
-bit (tests compare both). With PDL the scatter launch is a programmatic dependent of the count
-launch: its zeroing programs start while the counts are taken. Qwen3 M=8192: 20.5 us, M=4096:
-11.2 us (23.4 in one launch); see ``sort_chunk_size``.
+expert's program scans every entry). Where ``sort_chunk_size`` says so, a first launch
+(``_count_chunk_keys_kernel``) counts each sort key in every chunk of 256-1024 routing entries
+into a small table (``chunk_key_counts``, the only extra buffer), and the main kernel then runs
+with ``CHUNKED``: one program per chunk reads the table (the key totals give every expert's first
+row, the counts of earlier chunks the chunk's offset within it), sorts its chunk's
+``key * chunk_size + position`` with ``tl.sort`` and writes each entry once; one program per
+expert only pads and labels its tiles. Same buffers, bit for bit (tests compare both). With PDL
+the scatter launch is a programmatic dependent of the count launch: its zeroing programs start
+while the counts are taken. When it applies: ``sort_chunk_size`` (measurements:
+docs/sorting.md#the-sort-in-one-or-two-launches).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..buffers import BufferLayout
 from ..grid_dependency import gdc_launch_dependents, gdc_wait
-from ..multiprocessors import num_multiprocessors
+from ..launch import BoundLaunch, LaunchSpec, PlanCache, bind_launches, direct_launches, run_bound, tracing
+from ..target import target_of
 from .._validation import (
     FLOAT_DTYPES,
     ID_DTYPES,
     check_out_overlaps,
+    check_out_overlaps_at,
     check_positive_int,
     check_same_device,
     check_tensor,
+    interpreter_enabled,
     on_device,
 )
 
@@ -118,27 +115,68 @@ class MoESortingResult:
     def allocate(cls, num_entries: int, num_experts: int, block_m: int, num_tokens: int, device,
                  count_lora_tokens: bool = False, chunk_size: Optional[int] = None) -> "MoESortingResult":
         """Uninitialised worst-case buffers for ``num_entries = M*topk`` routing entries (and, with
-        ``count_lora_tokens``, the adapter token count that the sort then writes). ``num_experts``
-        is the number of sort keys. ``chunk_size``: routing entries per chunk of the two-launch
-        sort (a power of two), 0 for the one-launch sort; default ``sort_chunk_size``'s rule."""
-        max_padded = max_num_tokens_padded(num_entries, num_experts, block_m)
-        if chunk_size is None:
-            chunk_size = sort_chunk_size(num_experts, num_entries)
-        if chunk_size < 0 or chunk_size & (chunk_size - 1):
-            raise ValueError(f"chunk_size must be 0 or a power of two, got {chunk_size}")
-        return cls(
-            sorted_token_ids=torch.empty(max_padded, dtype=torch.int32, device=device),
-            sorted_weights=torch.empty(max_padded, dtype=torch.float32, device=device),
-            sorted_expert_ids=torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
-            num_tokens_post_padded=torch.empty(1, dtype=torch.int32, device=device),
-            num_sorted_tiles=torch.empty(1, dtype=torch.int32, device=device),
-            block_m=block_m,
-            num_tokens=num_tokens,
-            num_lora_tokens=torch.empty(1, dtype=torch.int32, device=device) if count_lora_tokens else None,
-            chunk_key_counts=(torch.empty(triton.cdiv(num_entries, chunk_size), key_block_size(num_experts),
-                                          dtype=torch.int32, device=device) if chunk_size else None),
-            chunk_size=chunk_size,
-        )
+        ``count_lora_tokens``, the adapter token count that the sort then writes), in one allocation
+        (:func:`sorting_buffers`). ``num_experts`` is the number of sort keys. ``chunk_size``:
+        routing entries per chunk of the two-launch sort (a power of two), 0 for the one-launch
+        sort; default ``sort_chunk_size``'s rule."""
+        chunk_size = checked_chunk_size(num_experts, num_entries, chunk_size)
+        layout = BufferLayout.of(sorting_buffers(num_entries, num_experts, block_m, count_lora_tokens, chunk_size))
+        return cls.from_views(layout.views(layout.allocate(device)), block_m, num_tokens, chunk_size)
+
+    @classmethod
+    def on_block(cls, block: torch.Tensor, layout: BufferLayout, block_m: int, num_tokens: int,
+                 chunk_size: int) -> "MoESortingResult":
+        """The result whose buffers lie in ``block`` as ``layout`` (:func:`sorting_buffers`) places them,
+        their tensor views made when first read: :func:`moe_sorting`'s cached path returns it without
+        paying for views a caller may never use."""
+        result = cls.__new__(cls)
+        result.__dict__.update(block_m=block_m, num_tokens=num_tokens, chunk_size=chunk_size,
+                               _block_and_layout=(block, layout))
+        return result
+
+    def __getattr__(self, name):
+        # Only reached for a field of an ``on_block`` result not viewed yet: view them all now.
+        pending = self.__dict__.pop("_block_and_layout", None)
+        if pending is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        views = pending[1].views(pending[0])
+        for field in ("sorted_token_ids", "sorted_weights", "sorted_expert_ids", "num_tokens_post_padded",
+                      "num_sorted_tiles", "num_lora_tokens", "chunk_key_counts"):
+            self.__dict__[field] = views.get(field)
+        return getattr(self, name)
+
+    @classmethod
+    def from_views(cls, views: Dict[str, torch.Tensor], block_m: int, num_tokens: int,
+                   chunk_size: int) -> "MoESortingResult":
+        """The result whose buffers are the :func:`sorting_buffers` entries of ``views``."""
+        return cls(views["sorted_token_ids"], views["sorted_weights"], views["sorted_expert_ids"],
+                   views["num_tokens_post_padded"], views["num_sorted_tiles"], block_m, num_tokens,
+                   views.get("num_lora_tokens"), views.get("chunk_key_counts"), chunk_size)
+
+
+def checked_chunk_size(num_experts: int, num_entries: int, chunk_size: Optional[int] = None) -> int:
+    """``chunk_size``, or ``sort_chunk_size``'s pick when None; refuses what is not 0 or a power of two."""
+    if chunk_size is None:
+        chunk_size = sort_chunk_size(num_experts, num_entries)
+    if chunk_size < 0 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be 0 or a power of two, got {chunk_size}")
+    return chunk_size
+
+
+def sorting_buffers(num_entries: int, num_experts: int, block_m: int, count_lora_tokens: bool = False,
+                    chunk_size: int = 0) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of the sort's buffers (see :class:`MoESortingResult`) for
+    ``num_entries = M*topk`` routing entries: sized for the worst case, so they depend on shapes only."""
+    max_padded = max_num_tokens_padded(num_entries, num_experts, block_m)
+    buffers = [("sorted_token_ids", torch.int32, (max_padded,)), ("sorted_weights", torch.float32, (max_padded,)),
+               ("sorted_expert_ids", torch.int32, (max_padded // block_m,)),
+               ("num_tokens_post_padded", torch.int32, (1,)), ("num_sorted_tiles", torch.int32, (1,))]
+    if count_lora_tokens:
+        buffers.append(("num_lora_tokens", torch.int32, (1,)))
+    if chunk_size:
+        buffers.append(("chunk_key_counts", torch.int32,
+                        (triton.cdiv(num_entries, chunk_size), key_block_size(num_experts))))
+    return buffers
 
 
 def max_busy_tiles(num_entries: int, num_experts: int, block_m: int) -> int:
@@ -200,8 +238,7 @@ def _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, n
                 NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr, TOPK: tl.constexpr, LORA_KEYS: tl.constexpr):
     """Per-lane counts (two int32 ``[SCAN_BLOCK]``), over scan steps ``[first_step, end_step)``, of keys
     below ``expert_key`` and (with COUNT_MINE, else zeros) equal to it. Full steps load without a mask: the loop is bound by
-    instruction issue, and at 8 warps a 4096-entry step takes 79 SASS instructions per thread
-    unmasked, 106 masked (bounds checks and fill values)."""
+    instruction issue (instruction counts: docs/sorting.md#unmasked-full-steps)."""
     scan = tl.arange(0, SCAN_BLOCK)
     below = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
     mine = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
@@ -503,13 +540,77 @@ def moe_sorting(
         expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1 (dropped).
 
     Returns:
-        :class:`MoESortingResult`; see the module docstring for the exact contract.
+        :class:`MoESortingResult` (its buffers share one allocation); see the module docstring for
+        the exact contract.
+
+    As ``fmoe2.fused_moe`` does, a call with shapes, dtypes and devices seen before launches the
+    kernels bound by that first call (``fmoe2/launch.py``); under ``torch.compile`` it is the op
+    ``torch.ops.fmoe2.moe_sorting`` (one launch, separate buffers).
     """
+    if tracing():
+        from ..ops import moe_sorting_op_call
+
+        return moe_sorting_op_call(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
+    call = _sort_call_key(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
+    plan = SORT_PLANS.get(call[0]) if call is not None else None
+    if plan is not None and plan.launches is not None and direct_launches():
+        if out is not None:
+            check_out_overlaps_at(_SORT_SOURCES, call[1], plan.input_nbytes, 2)
+        block = run_bound(plan.launches, call[1], plan.layout.nbytes, plan.offsets, plan.device)
+        return MoESortingResult.on_block(block, plan.layout, block_m, plan.num_tokens, plan.chunk_size)
     _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
     M, topk = topk_ids.shape
-    result = MoESortingResult.allocate(M * topk, num_experts, block_m, M, topk_ids.device)
-    launch_moe_sorting(topk_ids, topk_weights, num_experts, expert_map, result, out)
+    chunk_size = checked_chunk_size(num_experts, M * topk)
+    layout = BufferLayout.of(sorting_buffers(M * topk, num_experts, block_m, chunk_size=chunk_size))
+    block = layout.allocate(topk_ids.device)
+    result = MoESortingResult.from_views(layout.views(block), block_m, M, chunk_size)
+    specs = sort_launch_specs(topk_ids, topk_weights, num_experts, expert_map, result, out)
+    with on_device(topk_ids):
+        compiled = [spec.launch() for spec in specs]
+    if plan is None and call is not None and call[0][-1] and not interpreter_enabled():
+        base = block.data_ptr()
+        launches = bind_launches(specs, compiled, call[1] + [base + offset for offset in layout.offsets])
+        nbytes = tuple(t.numel() * t.element_size() if t is not None else 0
+                       for t in (topk_ids, topk_weights, out, expert_map))
+        SORT_PLANS.put(call[0], SortPlan(layout, M, chunk_size, topk_ids.device, nbytes, launches))
     return result
+
+
+@dataclass
+class SortPlan:
+    """:func:`moe_sorting` settled for one call key: its scratch layout and bound launches."""
+
+    layout: BufferLayout
+    num_tokens: int
+    chunk_size: int
+    device: torch.device
+    input_nbytes: Tuple[int, ...]  # bytes of topk_ids, topk_weights, out, expert_map (0: absent)
+    launches: Optional[List[BoundLaunch]]  # None: not bindable, every call goes through the JIT
+
+    def __post_init__(self):
+        self.offsets = self.layout.offsets  # read on every call
+
+
+SORT_PLANS = PlanCache()
+_SORT_SOURCES = ("topk_ids", "topk_weights", "out", "expert_map")
+
+
+def _sort_call_key(topk_ids, topk_weights, num_experts, block_m, out, expert_map):
+    """``(key, device addresses of topk_ids, topk_weights, out, expert_map)``, or None for
+    arguments the key does not cover (validation then names them)."""
+    try:
+        sources = [topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr() if out is not None else 0,
+                   expert_map.data_ptr() if expert_map is not None else 0]
+        key = (type(num_experts), num_experts, type(block_m), block_m, topk_ids.shape, topk_ids.dtype,
+               topk_ids.stride(), topk_ids.get_device(), topk_weights.shape, topk_weights.dtype, topk_weights.stride(),
+               topk_weights.get_device(),
+               (out.shape, out.dtype, out.stride(), out.get_device()) if out is not None else None,
+               (expert_map.shape, expert_map.dtype, expert_map.stride(), expert_map.get_device())
+               if expert_map is not None else None,
+               (sources[0] | sources[1] | sources[2] | sources[3]) % 16 == 0)
+        return key, sources
+    except (AttributeError, TypeError):
+        return None
 
 
 def sort_programs(num_keys: int, num_entries: int, num_compute_units: int) -> Tuple[int, int]:
@@ -519,39 +620,7 @@ def sort_programs(num_keys: int, num_entries: int, num_compute_units: int) -> Tu
     2 parts when the scan has at least 2 steps: each part still counts all entries (pass 1) but
     scatters only half of them (pass 2, the costlier). 8 warps when the expert programs fit
     one per multiprocessor and a step holds ``MAX_SCAN_BLOCK`` entries; else 4, which lets more
-    programs share a multiprocessor. Sort with zeroing in us, ``python -m fmoe2.bench.sort_settings``
-    (``misc/bench/sort``, median of 5 interleaved rounds; E experts, top-k k; parts p, warps w; the
-    shipped choice starred; where ``sort_chunk_size`` gives fmoe2 the two-launch sort, marked c,
-    the baseline's alignment in ``fmoe2.bench``, one kernel, still runs this one):
-
-    ================  ==========  ==========  ==========  ==========
-    E, k, M           p1 w4       p2 w4       p1 w8       p2 w8
-    ================  ==========  ==========  ==========  ==========
-    H100, 2026-11-24 (second sweep)
-    8, 2, 1024        4.2*        4.3         4.4         4.3
-    8, 2, 4096        11.4        11.7        11.2        11.6*
-    32, 4, 1024       6.1         5.9         5.4*        5.2
-    32, 4, 4096       14.9        10.3        13.4        9.2*
-    64, 6, 1024       9.1         7.0         8.1         6.3*
-    64, 6, 4096 c     20.3        16.1        18.4        15.2*
-    128, 8, 128       3.6*        3.6         3.7         3.8
-    128, 8, 1024 c    9.5         7.9*        8.8         8.2
-    128, 8, 4096 c    29.2        23.4*       27.4        27.2
-    128, 8, 8192 c    57.0        43.6*       53.5        54.4
-    160, 6, 4096 c    31.2        28.9*       29.3        29.8
-    256, 8, 4096 c    57.6        54.0*       56.9        53.5
-    H200, 2026-11-24 (first sweep)
-    64, 6, 4096       20.6        15.5        18.2        14.5*
-    128, 8, 4096      28.3        22.2*       26.4        27.2
-    160, 6, 4096      30.1        28.3*       28.5        25.8
-    ================  ==========  ==========  ==========  ==========
-
-    More parts: in the H100 sweep 4 parts were slower than the best of 1 or 2 wherever the one
-    launch runs for fmoe2 (E=64, M=1024: 7.0 us at 8 warps against 6.3); they were faster at E=64,
-    M=2048 and 4096 (8.6 and 13.7 us against 9.9 and 15.2), where fmoe2 sorts in chunks (8.2 and
-    11.0 us). The first sweep also tried 3 and 6 parts: at most 0.1 us faster than 1 or 2 parts.
-    Mixtral (E=8) is bound by zeroing its 32 MB output at M=4096 (11.2-11.7 us in every setting of
-    1-2 parts).
+    programs share a multiprocessor (measurements: docs/sorting.md#sort-programs-per-expert).
 
     ``num_compute_units``: the GPU's multiprocessors (compute units on ROCm; ``num_multiprocessors``).
     """
@@ -569,38 +638,8 @@ def sort_chunk_size(num_keys: int, num_entries: int) -> int:
     each chunk (``tl.sort``, whose time grows faster than the chunk), and a read of the whole count
     table (``num_chunks x key_block`` int32) in each of its programs. So: two launches above
     ``2**19`` key-entry pairs with 64 keys or more, in the smallest chunks of 256, 512 or 1024
-    entries that keep the table within 8192 counts (else 1024).
-
-    Sort with zeroing in us, ``python -m fmoe2.bench.sort_settings`` (``misc/bench/sort``, H100,
-    2026-11-24, median of 5 interleaved rounds; E experts, top-k k; the one-launch sort at the
-    ``sort_programs`` choice, the two-launch sort in chunks of c; the shipped choice starred):
-
-    ============  =======  =======  =======  =======
-    E, k, M       1 launch c256     c512     c1024
-    ============  =======  =======  =======  =======
-    128, 8, 128   3.6*     5.9      6.8      11.7
-    64, 6, 1024   6.3*     6.3      7.3      10.5
-    128, 8, 1024  7.9      6.7*     7.7      12.8
-    160, 6, 1024  9.8      7.9*     7.7      13.0
-    256, 8, 512   9.0      7.2*     8.5      13.6
-    256, 8, 1024  14.9     8.4*     10.4     15.5
-    384, 8, 1024  17.2     9.9      11.4*    16.4
-    64, 6, 2048   9.9      8.2*     8.9      12.7
-    128, 8, 2048  13.0     8.4*     8.0      13.4
-    128, 8, 4096  23.4     15.1     11.2*    13.0
-    64, 6, 4096   15.2     11.0*    13.8     15.3
-    160, 6, 4096  28.9     30.5     23.3     19.6*
-    256, 8, 4096  54.0     39.3     27.9     28.3*
-    384, 8, 4096  60.4     44.8     27.4     29.7*
-    128, 8, 8192  43.6     30.5     23.9     20.5*
-    64, 6, 8192   28.1     25.4     17.9*    25.0
-    ============  =======  =======  =======  =======
-
-    Chunks of 2048 took 26-52 us everywhere. Below 64 experts the chunks gained at most 0.1 us:
-    E=32 top-4 took 5.4 and 9.2 us in one launch at M=1024 and 4096, 5.3 and 9.8 in the best
-    chunks; Mixtral (E=8) 4.2 and 11.6 against 5.5 and 13.5. (The sweep's ``auto`` column was
-    taken with an earlier draft of this rule, one launch up to ``2**20`` pairs and chunks of 512
-    or 1024; the choices starred here are read from the other columns.)
+    entries that keep the table within 8192 counts (else 1024). Measurements:
+    docs/sorting.md#the-sort-in-one-or-two-launches.
     """
     if num_keys < 64 or num_keys * num_entries <= 2 ** 19:
         return 0
@@ -626,7 +665,7 @@ def scan_block_size(num_elements: int) -> int:
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                           expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
                           lora_keys: bool = False, num_parts: Optional[int] = None, launch_dependents: bool = False,
-                          num_warps: Optional[int] = None):
+                          num_warps: Optional[int] = None, num_compute_units: Optional[int] = None):
     """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
 
     ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
@@ -639,7 +678,9 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     programmatic dependent (``FusedMoEConfig.pdl``); the sort lets it be scheduled at once, and a
     chunked sort's second launch is then a programmatic dependent of its count launch too
     (``launch_pdl``; its chunk and expert programs wait for the counts).
-    ``num_parts``/``num_warps`` override :func:`sort_programs` (tests, ``fmoe2.bench.sort_settings``).
+    ``num_parts``/``num_warps`` override :func:`sort_programs` (tests, ``fmoe2.bench.sort_settings``),
+    which otherwise picks them for ``num_compute_units`` multiprocessors (default: those of the
+    routing tensors' GPU). Pointers the flags leave unused are None (constexpr: no launch argument).
     """
     count_lora_tokens = result.num_lora_tokens is not None
     if (lora_keys or count_lora_tokens) != (token_lora_ids is not None):
@@ -662,24 +703,25 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         num_warps = CHUNKED_SORT_WARPS if num_warps is None else num_warps
     else:
         num_chunks, key_block = 0, 1
-        auto_parts, auto_warps = sort_programs(num_keys, num_entries, num_multiprocessors(topk_ids.device))
+        if num_compute_units is None:
+            num_compute_units = target_of(topk_ids.device).num_sms
+        auto_parts, auto_warps = sort_programs(num_keys, num_entries, num_compute_units)
         num_parts = auto_parts if num_parts is None else num_parts
         num_warps = auto_warps if num_warps is None else num_warps
     grid = (num_chunks + num_keys * num_parts + num_zero_programs + int(count_lora_tokens),)
     args = dict(
         topk_ids_ptr=topk_ids,
         topk_weights_ptr=topk_weights,
-        # Unused pointers get a harmless stand-in (never dereferenced when the flag is off).
-        expert_map_ptr=expert_map if expert_map is not None else result.sorted_expert_ids,
-        token_lora_ids_ptr=token_lora_ids if token_lora_ids is not None else result.sorted_expert_ids,
+        expert_map_ptr=expert_map,
+        token_lora_ids_ptr=token_lora_ids,
         sorted_token_ids_ptr=result.sorted_token_ids,
         sorted_weights_ptr=result.sorted_weights,
         sorted_expert_ids_ptr=result.sorted_expert_ids,
         num_tokens_post_padded_ptr=result.num_tokens_post_padded,
         num_sorted_tiles_ptr=result.num_sorted_tiles,
-        num_lora_tokens_ptr=result.num_lora_tokens if count_lora_tokens else result.num_sorted_tiles,
-        chunk_key_counts_ptr=result.chunk_key_counts if chunked else result.num_sorted_tiles,
-        out_ptr=out if out is not None else result.sorted_weights,
+        num_lora_tokens_ptr=result.num_lora_tokens,
+        chunk_key_counts_ptr=result.chunk_key_counts,
+        out_ptr=out if num_zero_programs > 0 else None,
         pad_id=num_entries if expanded_ids else M,
         num_entries=num_entries,
         num_global_experts=expert_map.numel() if expert_map is not None else num_experts,
@@ -729,19 +771,32 @@ def count_kernel_launch(args: dict, constexprs: dict):
     return (num_chunks,), count_args, count_constexprs, {"num_warps": CHUNKED_SORT_WARPS}
 
 
+def sort_launch_specs(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
+                      expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0, lora_keys: bool = False,
+                      num_parts: Optional[int] = None, launch_dependents: bool = False,
+                      num_warps: Optional[int] = None, num_compute_units: Optional[int] = None) -> List[LaunchSpec]:
+    """The sort's launches (``sort_count`` first where the sort is chunked, then ``sort``); arguments
+    as :func:`sorting_kernel_launch` takes them."""
+    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
+                                                            out, expanded_ids, token_lora_ids, num_loras, lora_keys,
+                                                            num_parts, launch_dependents, num_warps,
+                                                            num_compute_units)
+    specs = []
+    if constexprs["CHUNKED"]:
+        specs.append(LaunchSpec("sort_count", _count_chunk_keys_kernel, *count_kernel_launch(args, constexprs)))
+    specs.append(LaunchSpec("sort", _moe_sorting_kernel, grid, args, constexprs, options))
+    return specs
+
+
 def launch_moe_sorting(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                        expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0, lora_keys: bool = False,
                        num_parts: Optional[int] = None, launch_dependents: bool = False,
                        num_warps: Optional[int] = None) -> None:
-    """Launches the sorting kernel into the preallocated ``result`` buffers.
+    """Launches the sort into the preallocated ``result`` buffers, through Triton's JIT.
 
     Internal: arguments are assumed checked by :func:`moe_sorting` or :func:`fmoe2.fused_moe`.
     """
-    grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
-                                                            out, expanded_ids, token_lora_ids, num_loras, lora_keys,
-                                                            num_parts, launch_dependents, num_warps)
     with on_device(topk_ids):
-        if constexprs["CHUNKED"] and args["num_chunks"] > 0:
-            count_grid, count_args, count_constexprs, count_options = count_kernel_launch(args, constexprs)
-            _count_chunk_keys_kernel[count_grid](**count_args, **count_constexprs, **count_options)
-        _moe_sorting_kernel[grid](**args, **constexprs, **options)
+        for spec in sort_launch_specs(topk_ids, topk_weights, num_experts, expert_map, result, out, expanded_ids,
+                                      token_lora_ids, num_loras, lora_keys, num_parts, launch_dependents, num_warps):
+            spec.launch()

@@ -9,10 +9,12 @@ from fmoe2 import FusedMoEConfig
 def test_lora_settings_sweep_times_the_shipped_two_stage_settings():
     # The sweep behind lora_kernel_options / lora_expand_block_n must keep measuring what ships (sm_90, 128 rows).
     from fmoe2.bench.lora_settings import TWO_STAGE_SETTINGS
-    from fmoe2.gemm.fused_moe import LORA_BLOCK_K, lora_expand_block_n, lora_kernel_options
+    from fmoe2.gemm.launches import LORA_BLOCK_K, lora_expand_block_n, lora_kernel_options
+    from fmoe2.target import NAMED_TARGETS
 
-    options = lora_kernel_options(128, "cuda", 90)
-    shipped = (options["num_warps"], options["num_stages"], lora_expand_block_n(128, "cuda", 90), LORA_BLOCK_K)
+    sm90 = NAMED_TARGETS["sm_90"]
+    options = lora_kernel_options(128, sm90)
+    shipped = (options["num_warps"], options["num_stages"], lora_expand_block_n(128, sm90), LORA_BLOCK_K)
     assert shipped in TWO_STAGE_SETTINGS
 
 
@@ -25,12 +27,16 @@ def test_lora_settings_sweep_refuses_without_gpu():
 
 
 def test_lora_settings_sweep_reaches_the_launches():
-    # The sweep patches fmoe2.gemm.fused_moe: the names it patches must be the ones the launches use.
+    # The sweep patches fmoe2.gemm.fused_moe and fmoe2.gemm.launches: the names it patches must be the ones
+    # the launches use.
     from fmoe2.bench.lora_settings import lora_configs_as_given, two_stage_lora_settings
     from fmoe2.codegen import _meta_lora
-    from fmoe2.gemm.fused_moe import (MoEProblem, TwoStageWorkspace, fit_given_config, lora_expand_launch,
-                                      lora_shrink_launch)
+    from fmoe2.gemm.fused_moe import fit_given_config
+    from fmoe2.gemm.launches import MoEProblem, TwoStageWorkspace, lora_expand_launch, lora_shrink_launch
     from fmoe2.sorting import MoESortingResult
+    from fmoe2.target import NAMED_TARGETS
+
+    sm90 = NAMED_TARGETS["sm_90"]
 
     M, E, H, I, topk = 64, 64, 2048, 1408, 6
     meta = dict(device="meta", dtype=torch.bfloat16)
@@ -43,14 +49,13 @@ def test_lora_settings_sweep_reaches_the_launches():
     with lora_configs_as_given():
         assert fit_given_config(fused, problem) == fused  # ... the sweep runs the config as given
     sorting = MoESortingResult.allocate(M * topk, E, 128, M, "meta", count_lora_tokens=True)
-    workspace = TwoStageWorkspace.allocate(problem, sorting)
+    workspace = TwoStageWorkspace.allocate(problem, sorting, fused, sm90)
     with two_stage_lora_settings(2, 3, 32, 128):
-        _, _, shrink_constexprs, shrink_options = lora_shrink_launch(problem, sorting, workspace, False, "cuda", 90)
-        _, _, expand_constexprs, expand_options = lora_expand_launch(problem, sorting, workspace, problem.x, False,
-                                                                     "cuda", 90)
-    assert shrink_constexprs["BLOCK_K"] == 128 and expand_constexprs["BLOCK_N"] == 32
-    assert shrink_options["num_warps"] == expand_options["num_warps"] == 2
-    assert shrink_options["num_stages"] == expand_options["num_stages"] == 3
+        shrink = lora_shrink_launch(problem, sorting, workspace, False, sm90)
+        expand = lora_expand_launch(problem, sorting, workspace, problem.x, False, sm90)
+    assert shrink.constexprs["BLOCK_K"] == 128 and expand.constexprs["BLOCK_N"] == 32
+    assert shrink.options["num_warps"] == expand.options["num_warps"] == 2
+    assert shrink.options["num_stages"] == expand.options["num_stages"] == 3
 
 
 def test_lora_settings_sweep_names_the_missing_table(tmp_path):

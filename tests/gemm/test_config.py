@@ -165,8 +165,9 @@ def test_lora_stages_reach_only_the_lora_kernel():
     # lora_num_stages) compiles no second copy of it; with adapters it is the fitted depth.
     from fmoe2.codegen import _meta_lora
     from fmoe2.gemm.config import fit_lora_config
-    from fmoe2.gemm.fused_moe import MoEProblem, fused_kernel_launch
+    from fmoe2.gemm.launches import MoEProblem, fused_kernel_launch
     from fmoe2.sorting import MoESortingResult
+    from fmoe2.target import NAMED_TARGETS
 
     M, E, H, I, topk = 4, 8, 64, 128, 2
     meta = dict(device="meta", dtype=torch.bfloat16)
@@ -176,12 +177,13 @@ def test_lora_stages_reach_only_the_lora_kernel():
     fitted = fit_lora_config(cfg, one_wave=True)
     assert fitted.lora_num_stages == 3
     sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta")
-    plain = [fused_kernel_launch(problem, problem.x, sorting, "silu", c, "cuda")[2] for c in (cfg, fitted)]
+    sm90 = NAMED_TARGETS["sm_90"]
+    plain = [fused_kernel_launch(problem, problem.x, sorting, "silu", c, sm90).constexprs for c in (cfg, fitted)]
     assert plain[0]["LORA_STAGES"] == plain[1]["LORA_STAGES"] == 1
     problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
     problem.token_lora_ids = torch.empty(M, dtype=torch.int32, device="meta")
     sorting = MoESortingResult.allocate(M * topk, E, 16, M, "meta", count_lora_tokens=True)
-    assert fused_kernel_launch(problem, problem.x, sorting, "silu", fitted, "cuda")[2]["LORA_STAGES"] == 3
+    assert fused_kernel_launch(problem, problem.x, sorting, "silu", fitted, sm90).constexprs["LORA_STAGES"] == 3
 
 
 def test_lora_pick_keeps_the_plain_path_and_fits_the_stages_that_carry_adapters(tmp_path):
@@ -229,13 +231,13 @@ def test_lora_pick_keeps_the_plain_path_and_fits_the_stages_that_carry_adapters(
 
 def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
     # get_config(lora=True) and a caller's config (fit_given_config) both fit by the problem's grid. Without a
-    # GPU num_multiprocessors gives DEFAULT_NUM_SMS (132): DeepSeek-V2-Lite's grid is one wave up to M=2
+    # GPU the target has DEFAULT_NUM_SMS (132): DeepSeek-V2-Lite's grid is one wave up to M=2
     # (12 tiles x 11 slices), not at M=3 (18 x 11).
     from fmoe2.codegen import _meta_lora
-    from fmoe2.multiprocessors import DEFAULT_NUM_SMS, num_multiprocessors
+    from fmoe2.target import DEFAULT_NUM_SMS, target_of
     from fmoe2.gemm.fused_moe import MoEProblem, fit_given_config
 
-    assert num_multiprocessors(torch.device("cpu")) == DEFAULT_NUM_SMS == 132
+    assert target_of(torch.device("cpu")).num_sms == DEFAULT_NUM_SMS == 132
     E, H, I, topk = 64, 2048, 1408, 6
     fused = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, BLOCK_H=128, num_warps=4, num_stages=4)
     d = tmp_path / device_config_name(torch.device("cpu"))
@@ -255,9 +257,9 @@ def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
 
 def test_fit_lora_config_keeps_the_lora_loops_within_shared_memory():
     from fmoe2.gemm.config import fit_lora_config, gate_up_loop_shared_bytes
-    from fmoe2.multiprocessors import DEFAULT_SHARED_MEMORY, shared_memory_per_program
+    from fmoe2.target import DEFAULT_SHARED_MEMORY, target_of
 
-    assert shared_memory_per_program(torch.device("cpu")) == DEFAULT_SHARED_MEMORY == 232448  # the H100/H200's
+    assert target_of(torch.device("cpu")).shared_memory == DEFAULT_SHARED_MEMORY == 232448  # the H100/H200's
 
     wide = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, BLOCK_H=128, num_warps=8, num_stages=3)
     assert gate_up_loop_shared_bytes(wide, 3) == 204800  # what sm_80 and sm_90 reported with 4 adapter slots
@@ -286,7 +288,7 @@ def test_plain_loops_fit_shared_memory_for_the_input_dtype():
 
     import fmoe2.shapes
     from fmoe2.gemm.config import CONFIG_DIR, fit_shared_memory, pipelined_loop_bytes
-    from fmoe2.multiprocessors import DEFAULT_SHARED_MEMORY
+    from fmoe2.target import DEFAULT_SHARED_MEMORY
 
     # What Triton asked for at launch on the H100 with fp32 inputs (both failed there before the fit).
     assert pipelined_loop_bytes(3, (16 + 2 * 128) * 128, 4) == 278528

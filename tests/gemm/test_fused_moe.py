@@ -229,9 +229,8 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
 
 
 def test_a_callers_config_is_fitted_like_a_picked_one(monkeypatch):
-    import sys
 
-    impl = sys.modules["fmoe2.gemm.fused_moe"]  # the module (the package attribute is the function)
+    impl = importlib.import_module("fmoe2.gemm.launches")
     seen = []
     launch = impl.fused_kernel_launch
     monkeypatch.setattr(impl, "fused_kernel_launch", lambda *a, **k: seen.append(a[4]) or launch(*a, **k))
@@ -261,40 +260,36 @@ def test_tensor_descriptor_loads_match_pointer_loads(path, pad_to):
 
 
 def test_tma_config_hands_descriptors_to_every_weight_load():
-    from fmoe2.gemm.fused_moe import (TwoStageWorkspace, check_fused_moe_args, fused_kernel_launch,
-                                      stage2_kernel_launch)
+    from fmoe2.gemm.fused_moe import check_fused_moe_args
+    from fmoe2.gemm.launches import TwoStageWorkspace, fused_kernel_launch, pdl_enabled, stage2_kernel_launch
     from fmoe2.sorting import MoESortingResult
+    from fmoe2.target import INTERPRETER_TARGET, NAMED_TARGETS, target_of
 
+    sm90, gfx942 = NAMED_TARGETS["sm_90"], NAMED_TARGETS["gfx942"]
     x, w1, w2, tw, ti = make_problem(9, 4, 40, 20, 2, torch.float16)
     cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_H=16, path="two_stage", tma=True)
     for weights, expect in (((prepare_weights(w1, w2, pad_to=8), None), True), ((w1, w2), False)):
         problem = check_fused_moe_args(x, *weights, tw, ti, "silu", None, None, cfg)
         sorting = MoESortingResult.allocate(9 * 2, 4, 16, 9, x.device)
-        ws = TwoStageWorkspace.allocate(problem, sorting)
-        _, fused_args, _, _ = fused_kernel_launch(problem, x, sorting, "silu", cfg, "cuda")
-        _, s1_args, _, _ = fused_kernel_launch(problem, x, sorting, "silu", cfg, "cuda", ws)
-        _, s2_args, _, _ = stage2_kernel_launch(problem, x, sorting, ws, cfg, "cuda")
+        ws = TwoStageWorkspace.allocate(problem, sorting, cfg, sm90)
+        fused_args = fused_kernel_launch(problem, x, sorting, "silu", cfg, sm90).args
+        s1_args = fused_kernel_launch(problem, x, sorting, "silu", cfg, sm90, ws).args
+        s2_args = stage2_kernel_launch(problem, x, sorting, ws, cfg, sm90).args
         descs = [fused_args["w13_desc"], fused_args["w2_desc"], s1_args["w13_desc"], s2_args["a_desc"],
                  s2_args["b_desc"]]
         assert all((d is not None) == expect for d in descs), descs  # plain weights keep pointer loads
-        _, hip_args, _, _ = fused_kernel_launch(problem, x, sorting, "silu", cfg, "hip")
+        hip_args = fused_kernel_launch(problem, x, sorting, "silu", cfg, gfx942).args
         assert hip_args["w13_desc"] is None and hip_args["w2_desc"] is None  # ROCm keeps pointer loads
-    # PDL: never under the interpreter or on ROCm (griddepcontrol is CUDA sm_90+); codegen's meta tensors take it.
-    from fmoe2.gemm.fused_moe import MoEProblem, pdl_enabled
-
-    from fmoe2._validation import interpreter_enabled
-
+    # PDL: CUDA sm_90+ only (griddepcontrol), never under the interpreter or on ROCm or sm_80.
     pdl_cfg = replace(cfg, pdl=True)
-    # A real problem: PDL only on a CUDA GPU of compute capability 9 or newer, not under the interpreter.
-    sm90 = x.is_cuda and not interpreter_enabled() and torch.cuda.get_device_capability(x.device)[0] >= 9
-    assert pdl_enabled(pdl_cfg, problem, "cuda") == sm90 and not pdl_enabled(pdl_cfg, problem, "hip")
-
-    meta = MoEProblem(x.to("meta"), w1.to("meta"), w2.to("meta"), False, 4, 40, 20, 2)
-    assert pdl_enabled(pdl_cfg, meta, "cuda") == (not interpreter_enabled()) and not pdl_enabled(cfg, meta, "cuda")
+    assert pdl_enabled(pdl_cfg, sm90) and not pdl_enabled(cfg, sm90)
+    assert not any(pdl_enabled(pdl_cfg, t) for t in (gfx942, NAMED_TARGETS["sm_80"], INTERPRETER_TARGET))
+    here = target_of(x.device)
+    assert pdl_enabled(pdl_cfg, here) == (here.cuda_arch is not None and here.cuda_arch >= 90 and not here.interpreter)
     x32, w1_32, w2_32 = x.float(), w1.float(), w2.float()
     problem = check_fused_moe_args(x32, prepare_weights(w1_32, w2_32, pad_to=8), None, tw, ti, "silu", None, None, cfg)
     sorting = MoESortingResult.allocate(9 * 2, 4, 16, 9, x.device)
-    _, fp32_args, _, _ = fused_kernel_launch(problem, x32, sorting, "silu", cfg, "cuda")
+    fp32_args = fused_kernel_launch(problem, x32, sorting, "silu", cfg, sm90).args
     assert fp32_args["w13_desc"] is None  # fp32 keeps pointer loads (shared memory)
 
 
@@ -311,7 +306,7 @@ def test_tensor_descriptor_path_keeps_nan_out_of_valid_columns():
 
 
 def test_descriptors_only_where_the_copy_engine_takes_them():
-    from fmoe2.gemm.fused_moe import _descriptor
+    from fmoe2.gemm.launches import _descriptor
 
     w = torch.zeros(2, 24, 40, dtype=torch.float16)
     assert _descriptor(w, (16, 32)) is not None
@@ -325,7 +320,7 @@ def test_gap_tiles_are_skipped(path):
     # Gap tiles carry expert -1. Make one hold real tokens with weight 1 and let the memory just
     # before expert 0's weights be an extra expert: a kernel that did not skip the tile would add
     # that expert's output to those tokens.
-    from fmoe2.gemm.fused_moe import check_fused_moe_args, forward_launches
+    from fmoe2.gemm.fused_moe import forward_launches
 
     M, E, H, I = 5, 3, 32, 32
     ids = torch.zeros(M, 1, dtype=torch.int32)  # every token on expert 0: tiles [0, -1, -1]
@@ -334,14 +329,14 @@ def test_gap_tiles_are_skipped(path):
     ti = ti - 1
     cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path=path)
     out = poisoned(M, H, torch.float16)
-    problem = check_fused_moe_args(x, w1, w2, tw, ti, "silu", out, None, cfg)
-    launches = forward_launches(problem, x, tw, ti, "silu", out, None, cfg)
+    launches = forward_launches(x, w1, w2, tw, ti, out=out, config=cfg)
     _, sort = launches[0]
     sort()
-    sorting = sort.args[4]  # the MoESortingResult the later launches read
-    assert sorting.sorted_expert_ids[:3].tolist() == [0, -1, -1] and sorting.num_sorted_tiles.item() == 3
-    sorting.sorted_token_ids[16:16 + M] = torch.arange(M, dtype=torch.int32)
-    sorting.sorted_weights[16:16 + M] = 1.0
+    sort_args = sort.spec.args  # the sorting buffers the later launches read
+    expert_ids, token_ids = sort_args["sorted_expert_ids_ptr"], sort_args["sorted_token_ids_ptr"]
+    assert expert_ids[:3].tolist() == [0, -1, -1] and sort_args["num_sorted_tiles_ptr"].item() == 3
+    token_ids[16:16 + M] = torch.arange(M, dtype=torch.int32)
+    sort_args["sorted_weights_ptr"][16:16 + M] = 1.0
     for _, launch in launches[1:]:
         launch()
     assert_matches_reference(out, x, w1, w2, tw, ti)
@@ -351,29 +346,28 @@ def test_stage2_first_k_share_covers_only_its_share():
     # Only the first of 2 shares launched: the output must be the down GEMM over the first half of I
     # (a kernel that ignored SPLIT_K would add the whole product there, and its extra programs would
     # exit past the tiles unnoticed by the end-to-end tests).
-    import importlib
-
-    from fmoe2.gemm.config import current_backend, fit_config
-    from fmoe2.gemm.fused_moe_kernel import _fused_moe_kernel
+    from fmoe2.gemm.config import fit_config
     from fmoe2.gemm.grouped_gemm_kernel import _grouped_gemm_kernel
     from fmoe2.sorting import MoESortingResult, launch_moe_sorting
 
-    impl = importlib.import_module("fmoe2.gemm.fused_moe")
+    from fmoe2.gemm.fused_moe import check_fused_moe_args
+    from fmoe2.gemm.launches import TwoStageWorkspace, fused_kernel_launch, stage2_kernel_launch
+    from fmoe2.target import target_of
+
     M, E, H, I, topk = 9, 3, 32, 64, 2
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float32, seed=4)
     cfg = fit_config(FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, path="two_stage",
                                     S2_BLOCK_N=16, S2_BLOCK_K=16, S2_SPLIT_K=2), H, I, topk, torch.float32)
     assert cfg.S2_SPLIT_K == 2
     out = poisoned(M, H, torch.float32)
-    backend = current_backend()
-    problem = impl.check_fused_moe_args(x, w1, w2, tw, ti, "silu", out, None, cfg)
+    target = target_of(x.device)
+    problem = check_fused_moe_args(x, w1, w2, tw, ti, "silu", out, None, cfg)
     sorting = MoESortingResult.allocate(M * topk, E, cfg.BLOCK_M, M, x.device)
     launch_moe_sorting(ti, tw, E, None, sorting, out)
-    workspace = impl.TwoStageWorkspace.allocate(problem, sorting)
-    grid, args, constexprs, options = impl.fused_kernel_launch(problem, out, sorting, "silu", cfg, backend, workspace)
-    _fused_moe_kernel[grid](**args, **constexprs, **options)
-    grid, args, constexprs, options = impl.stage2_kernel_launch(problem, out, sorting, workspace, cfg, backend)
-    _grouped_gemm_kernel[(grid[0] // 2,)](**args, **constexprs, **options)
+    workspace = TwoStageWorkspace.allocate(problem, sorting, cfg, target)
+    fused_kernel_launch(problem, out, sorting, "silu", cfg, target, workspace).launch()
+    stage2 = stage2_kernel_launch(problem, out, sorting, workspace, cfg, target)
+    _grouped_gemm_kernel[(stage2.grid[0] // 2,)](**stage2.args, **stage2.constexprs, **stage2.options)
     w2_first_half = w2.clone()
     w2_first_half[:, :, I // 2:] = 0
     assert_matches_reference(out, x, w1, w2_first_half, tw, ti)

@@ -21,7 +21,7 @@ SMALL_TWO_STAGE = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16,
 CONFIGS = {"fused": SMALL, "two_stage": SMALL_TWO_STAGE, "two_stage_in_stages": SMALL_TWO_STAGE}
 PATHS = list(CONFIGS)
 IN_STAGES_MAX_TOKENS_PER_EXPERT = {"two_stage": -1, "two_stage_in_stages": float("inf")}
-fm = importlib.import_module("fmoe2.gemm.fused_moe")
+fm = importlib.import_module("fmoe2.gemm.launches")  # the launch descriptions and their rules
 config_module = importlib.import_module("fmoe2.gemm.config")
 
 
@@ -35,10 +35,12 @@ def _pin_two_stage_lora(request, monkeypatch):
 
 
 def launch_names(monkeypatch) -> list:
-    """The names of the launches of every following fused_moe call, appended in order."""
+    """The names of the launches of every following fused_moe call (that describes its launches: the
+    first of a plan, and every call under the interpreter), appended in order."""
     names = []
-    real = fm.forward_launches
-    monkeypatch.setattr(fm, "forward_launches", lambda *a: (lambda ls: names.extend(n for n, _ in ls) or ls)(real(*a)))
+    real = fm.forward_specs
+    monkeypatch.setattr(fm, "forward_specs", lambda *a: (lambda specs: names.extend(s.name for s in specs) or specs)(
+        real(*a)))
     return names
 
 
@@ -96,7 +98,7 @@ def test_in_stages_sum_the_down_shrinks_of_every_slice(I, S2_SPLIT_K, path, monk
     splits = []
     real = fm.stage2_kernel_launch
     monkeypatch.setattr(fm, "stage2_kernel_launch", lambda *a, **k: (
-        lambda launch: splits.append((launch[1]["num_shrink_splits"], launch[2]["LORA_SPLITS_PER_STEP"])) or launch)(
+        lambda spec: splits.append((spec.args["num_shrink_splits"], spec.constexprs["LORA_SPLITS_PER_STEP"])) or spec)(
         real(*a, **k)))
     run_and_check(5, 4, 40, I, 2, 16, torch.float16, config=replace(SMALL_TWO_STAGE, S2_SPLIT_K=S2_SPLIT_K), seed=I)
     assert splits == [(-(-I // 16), 16)]
@@ -190,16 +192,16 @@ def test_two_stage_lora_workspaces_need_no_initial_values(monkeypatch, out_of_ra
     # Every workspace row that stage 1 and stage 2 read is written first (delta rows of tokens
     # without an adapter, -1 or an id outside [0, max_loras), are never read): NaN-filled
     # workspaces must give the same result.
-    real = fm.TwoStageWorkspace.allocate.__func__
+    real = fm.TwoStageWorkspace.from_views.__func__
 
-    def allocate_poisoned(cls, problem, sorting, config=None):
-        ws = real(cls, problem, sorting, config)
+    def from_views_poisoned(cls, views, intermediate_size):
+        ws = real(cls, views, intermediate_size)
         for t in (ws.y, ws.lora_shrink13, ws.lora_shrink2, ws.lora_delta13):
             if t is not None:
                 t.fill_(float("nan"))
         return ws
 
-    monkeypatch.setattr(fm.TwoStageWorkspace, "allocate", classmethod(allocate_poisoned))
+    monkeypatch.setattr(fm.TwoStageWorkspace, "from_views", classmethod(from_views_poisoned))
     monkeypatch.setattr(config_module, "LORA_MIN_BLOCK_N", 16)  # in the stages: 4 slices' down shrinks
     M = 37
     lora_ids = None  # run_and_check's mix: adapters 0..2 and -1
@@ -212,27 +214,27 @@ def test_two_stage_lora_splits_the_shrink_and_the_expand_over_programs(monkeypat
     # Few tiles: each tile's shrink (K = H, then I) and expand (N = I, then H) are shared by several
     # programs; the expand sums the partial shrinks. Down: I = 600 is 5 steps of 128 over 4 splits
     # (2, 2, 1 and an empty share, whose zeros must still count as written).
-    assert fm.lora_splits(2, 600, 128, 1, "cpu") == 4 and fm.lora_splits(2, 160, 128, 1, "cpu") == 2
-    assert fm.lora_splits(64, 600, 128, 1, "cpu") == 1
-    assert fm.lora_shrink_splits(1, 10**6, "cpu") == 8
+    from fmoe2.target import INTERPRETER_TARGET as cpu
+
+    assert fm.lora_splits(2, 600, 128, 1, cpu) == 4 and fm.lora_splits(2, 160, 128, 1, cpu) == 2
+    assert fm.lora_splits(64, 600, 128, 1, cpu) == 1
+    assert fm.lora_shrink_splits(1, 10**6, cpu) == 8
     monkeypatch.setattr(fm, "LORA_MAX_SHRINK_SPLITS", 3)
-    assert fm.lora_shrink_splits(1, 10**6, "cpu") == 3
+    assert fm.lora_shrink_splits(1, 10**6, cpu) == 3
     monkeypatch.undo()
     # 1 routed row per expert: pin the LoRA launches
     monkeypatch.setattr(config_module, "LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT", -1)
     monkeypatch.setattr(fm, "LORA_BLOCK_K", 128)
     monkeypatch.setattr(fm, "lora_expand_block_n", lambda *a: 64)  # expand: I = 600 in 10 column steps, H = 160 in 3
     grids = {}
-    for name in ("lora_shrink_launch", "lora_expand_launch"):
-        real = getattr(fm, name)
-        monkeypatch.setattr(fm, name, lambda *a, real=real, name=name, **k: (
-            lambda launch: grids.setdefault((name, k["down"]), launch[0]) and launch)(real(*a, **k)))
+    real = fm.forward_specs
+    monkeypatch.setattr(fm, "forward_specs", lambda *a: (lambda specs: grids.update(
+        (s.name, s.grid) for s in specs if s.name.startswith("lora")) or specs)(real(*a)))
     run_and_check(2, 2, 160, 600, 1, 16, torch.float16, config=SMALL_TWO_STAGE, seed=6,
                   lora_ids=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
     if DEVICE != "cpu":  # a GPU splits for its multiprocessor count
         return
-    assert grids == {("lora_shrink_launch", False): (2, 2), ("lora_expand_launch", False): (2, 4),
-                     ("lora_shrink_launch", True): (2, 4), ("lora_expand_launch", True): (2, 3)}
+    assert grids == {"lora_shrink13": (2, 2), "lora_expand13": (2, 4), "lora_shrink2": (2, 4), "lora_expand2": (2, 3)}
 
 
 def test_lora_slots_stack_adapters_up_to_the_stack_width():
@@ -331,13 +333,12 @@ def test_fused_moe_lora_argument_checks():
 def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
     M, E, H, I, topk = 40, 2, 32, 24, 2  # 40 tokens per expert: the defaults pick two-stage
     assert fmoe2.get_config(M, E, H, I, topk, torch.float16, backend="cuda").path == "two_stage"
-    launches = []
-    real = fm.lora_expand_launch
-    monkeypatch.setattr(fm, "lora_expand_launch", lambda *a, **k: launches.append(k["down"]) or real(*a, **k))
+    names = launch_names(monkeypatch)
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None)
-    assert launches == [False, True]  # the gate/up and down delta launches of the two-stage LoRA path
+    expands = ["lora_expand13", "lora_expand2"]  # the gate/up and down delta launches of the two-stage LoRA path
+    assert [n for n in names if n.startswith("lora_expand")] == expands
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="fused")
-    assert launches == [False, True]
+    assert [n for n in names if n.startswith("lora_expand")] == expands
 
 
 def test_auto_path_with_lora_at_decode_computes_the_deltas_in_the_two_stages(monkeypatch):
@@ -365,12 +366,13 @@ def test_two_stage_lora_expand_columns_per_architecture():
     # sm_90: 128 columns at every tile height (at 128-row tiles 128 columns ran the four LoRA launches of
     # Mixtral M=1024 in 153 instead of 168 us on the H100; fmoe2.bench.lora_settings). sm_80 spilled with
     # 128 columns from 64-row tiles, gfx942 at 32 rows.
-    from fmoe2.gemm.fused_moe import lora_expand_block_n
+    from fmoe2.gemm.launches import lora_expand_block_n
+    from fmoe2.target import INTERPRETER_TARGET, NAMED_TARGETS
 
-    assert [lora_expand_block_n(m, "cuda", 90) for m in (16, 64, 128)] == [128, 128, 128]
-    assert lora_expand_block_n(128, "cuda", None) == 128  # an unknown GPU (the interpreter) takes sm_90's rule
-    assert [lora_expand_block_n(m, "cuda", 80) for m in (32, 64, 128)] == [128, 64, 64]
-    assert [lora_expand_block_n(m, "hip", None) for m in (16, 128)] == [64, 64]
+    assert [lora_expand_block_n(m, NAMED_TARGETS["sm_90"]) for m in (16, 64, 128)] == [128, 128, 128]
+    assert lora_expand_block_n(128, INTERPRETER_TARGET) == 128  # no GPU (the interpreter) takes sm_90's rule
+    assert [lora_expand_block_n(m, NAMED_TARGETS["sm_80"]) for m in (32, 64, 128)] == [128, 64, 64]
+    assert [lora_expand_block_n(m, NAMED_TARGETS["gfx942"]) for m in (16, 128)] == [64, 64]
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -1,0 +1,273 @@
+"""Host cost per call: ``python -m fmoe2.bench --host`` (or ``python -m fmoe2.bench.host``).
+
+What a caller pays on the CPU for each call outside a CUDA graph (Hugging Face transformers decodes
+eagerly; vLLM and SGLang run eagerly above their graph-capture sizes), for the three benchmark
+shapes at M=1, bf16, prepared weights, in one run on the GPU:
+
+* references: a bare Triton launch of an empty kernel (through the JIT, and through its compiled
+  kernel with the arguments bound, ``fmoe2.launch``), ``torch.add`` on a small tensor,
+  ``torch.empty``;
+* ``moe_sorting``; ``fused_moe`` on the fused and on the two-stage path; with LoRA adapters (rank
+  16, 4 adapters, mixed) on both paths: each with plans launching directly (the default) and with
+  every launch through Triton's JIT (``fmoe2.launch.set_launch_mode("jit")``);
+* the forward's GPU time three ways: one eager call timed with CUDA events from an idle GPU (what
+  the host adds to one call's latency), back-to-back eager calls (events around 200 calls: what an
+  eager model loop pays per layer), and a CUDA-graph replay (10 calls per graph);
+* a two-layer MoE module (router, top-k, fused_moe, residual) per step: eager, and under
+  ``torch.compile`` (``fullgraph=True``; default mode, and ``mode="reduce-overhead"``).
+
+Host time per call: ``time.perf_counter`` around ``CALLS`` back-to-back calls without
+synchronising (few enough that the GPU's launch queue never fills), divided by ``CALLS``, median
+of ``ROUNDS`` rounds, each round starting on an idle GPU. Writes ``<out-dir>/host/<device>.json`` and ``.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+import fmoe2
+from fmoe2.gemm.config import device_config_name
+from fmoe2.launch import LaunchSpec, bind_launches, raw_stream, set_launch_mode
+from fmoe2.shapes import SHAPES
+
+from .provenance import run_record, write_result
+from .timing import time_in_graph
+
+# Back-to-back calls per round: few enough that the GPU's launch queue never fills (at Mixtral M=1 a forward
+# takes 240 us on the GPU against 30 on the host; 200 calls of 3 launches each made the host wait, 2026-11-25).
+CALLS = 50
+ROUNDS = 21
+EAGER_CALLS = 200  # calls between the events of the back-to-back eager timing
+COMPILED_LAYERS = 2
+
+
+@triton.jit
+def _empty_kernel(x_ptr, n):
+    pass
+
+
+def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
+    """Median host microseconds per call of ``fn`` over ``rounds`` rounds of ``calls`` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def eager_event_us(fn, calls: int = 1, rounds: int = 21) -> float:
+    """Median GPU-side microseconds per call of ``calls`` eager calls between two CUDA events, each round
+    starting from an idle GPU (``calls=1``: one call's latency, host work included)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def reference_costs() -> dict:
+    """Host us of the bare operations the forward's cost is made of."""
+    x = torch.randn(64, device="cuda")
+    y = torch.randn(64, device="cuda")
+    compiled = _empty_kernel[(1,)](x, 64)
+    spec = LaunchSpec("empty", _empty_kernel, (1,), dict(x_ptr=x, n=64), {}, {})
+    bound = bind_launches([spec], [compiled], [x.data_ptr()])[0]
+    index = torch.cuda.current_device()
+    sources = [x.data_ptr()]
+    return {
+        "triton_empty_kernel_jit": host_us(lambda: _empty_kernel[(1,)](x, 64)),
+        "triton_empty_kernel_bound": host_us(lambda: bound(raw_stream(index), sources)),
+        "torch_add": host_us(lambda: torch.add(x, y)),
+        "torch_empty": host_us(lambda: torch.empty(64, device="cuda")),
+    }
+
+
+def _shape_inputs(shape, M, gen):
+    E, H, I, topk = shape
+    opts = dict(device="cuda", generator=gen)
+    x = torch.randn(M, H, dtype=torch.bfloat16, **opts)
+    w1 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, **opts) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, dtype=torch.bfloat16, **opts) / math.sqrt(I)
+    logits = torch.randn(M, E, **opts)
+    tw, ti = torch.topk(logits.softmax(-1), topk, dim=-1)
+    return x, fmoe2.prepare_weights(w1, w2), (w1, w2), tw, ti.to(torch.int32)
+
+
+def forward_costs(name, shape, M, gen) -> dict:
+    """Host us per call of the sort and the forward variants of one shape at batch ``M``, both launch
+    modes, and the forward's eager and graph GPU times; also checks each result."""
+    from .lora import make_adapters, make_token_lora_ids
+
+    E, H, I, topk = shape
+    x, prepared, plain, tw, ti = _shape_inputs(shape, M, gen)
+    lora = fmoe2.prepare_lora(make_adapters(4, E, H, I, 16, gen))
+    ids = make_token_lora_ids(M, 4, gen, 0.2)
+    if M == 1:
+        ids.fill_(1)  # one token: give it an adapter, so the adapter work is there to pay for
+    ref = fmoe2.fused_moe_reference(x.float(), *plain, tw, ti)
+    ref_lora = fmoe2.fused_moe_reference(x.float(), *plain, tw, ti, lora=lora, token_lora_ids=ids)
+    variants = {
+        "moe_sorting": (lambda: fmoe2.moe_sorting(ti, tw, E, 16), None),
+        "fused_moe_fused": (lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, path="fused"), ref),
+        "fused_moe_two_stage": (lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, path="two_stage"), ref),
+        "fused_moe_auto": (lambda: fmoe2.fused_moe(x, prepared, None, tw, ti), ref),
+        "fused_moe_lora_fused": (lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, path="fused", lora=lora,
+                                                         token_lora_ids=ids), ref_lora),
+        "fused_moe_lora_two_stage": (lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, path="two_stage", lora=lora,
+                                                             token_lora_ids=ids), ref_lora),
+    }
+    row = {"shape": name, "M": M, "E": E, "H": H, "I": I, "topk": topk,
+           "auto_path": fmoe2.get_config(M, E, H, I, topk, torch.bfloat16).path}
+    for variant, (fn, reference) in variants.items():
+        if reference is not None:
+            out = fn()
+            err = ((out.float() - reference).norm() / reference.norm()).item()
+            if not math.isfinite(err) or err > 2.5e-2:
+                raise SystemExit(f"{name} M={M} {variant}: relative error {err:.2e}")
+            row[f"{variant}_rel_err"] = err
+        row[f"{variant}_host_us"] = host_us(fn)
+        set_launch_mode("jit")
+        try:
+            row[f"{variant}_host_us_jit_launch"] = host_us(fn)
+        finally:
+            set_launch_mode("direct")
+    forward = variants["fused_moe_auto"][0]
+    row["forward_graph_us"] = time_in_graph(forward)
+    row["forward_eager_one_call_us"] = eager_event_us(forward)
+    row["forward_eager_back_to_back_us"] = eager_event_us(forward, calls=EAGER_CALLS, rounds=5)
+    return row
+
+
+class TwoLayerMoE(torch.nn.Module):
+    """Router, softmax top-k, ``fmoe2.fused_moe`` and a residual, ``COMPILED_LAYERS`` times. The experts'
+    prepared weights are buffers, as a model's weights are parameters: static inputs to CUDA graphs."""
+
+    def __init__(self, shape, gen, layers=COMPILED_LAYERS):
+        super().__init__()
+        E, H, I, topk = shape
+        self.topk, self.hidden_size, self.intermediate_size, self.layers = topk, H, I, layers
+        for layer in range(layers):
+            router = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
+            w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
+            w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
+            prepared = fmoe2.prepare_weights(w1, w2)
+            self.register_buffer(f"router{layer}", router)
+            self.register_buffer(f"w13_{layer}", prepared.w13)
+            self.register_buffer(f"w2_{layer}", prepared.w2)
+
+    def forward(self, x):
+        for layer in range(self.layers):
+            logits = torch.nn.functional.linear(x, getattr(self, f"router{layer}")).float()
+            weights, ids = torch.topk(logits.softmax(-1), self.topk, dim=-1)
+            experts = fmoe2.PreparedMoEWeights(getattr(self, f"w13_{layer}"), getattr(self, f"w2_{layer}"),
+                                               self.hidden_size, self.intermediate_size)
+            x = x + fmoe2.fused_moe(x, experts, None, weights, ids)
+        return x
+
+
+def compiled_module_costs(name, shape, M, gen) -> dict:
+    """Step time (GPU, CUDA events, back-to-back steps) of :class:`TwoLayerMoE` eager and compiled."""
+    module = TwoLayerMoE(shape, gen)
+    x = torch.randn(M, shape[1], device="cuda", dtype=torch.bfloat16, generator=gen)
+    row = {"shape": name, "M": M, "layers": COMPILED_LAYERS}
+    with torch.no_grad():
+        eager_out = module(x)
+        row["eager_step_us"] = eager_event_us(lambda: module(x), calls=50, rounds=5)
+        row["eager_step_host_us"] = host_us(lambda: module(x), calls=50, rounds=5)
+        for mode in ("default", "reduce-overhead"):
+            torch._dynamo.reset()
+            compiled = torch.compile(module, fullgraph=True, mode=mode)
+            out = compiled(x)
+            out = compiled(x).clone()
+            err = ((out.float() - eager_out.float()).norm() / eager_out.float().norm()).item()
+            if not math.isfinite(err) or err > 2.5e-2:
+                raise SystemExit(f"{name} M={M} compiled ({mode}): relative error {err:.2e} to eager")
+            row[f"compiled_{mode}_rel_err_to_eager"] = err
+            row[f"compiled_{mode}_step_us"] = eager_event_us(lambda: compiled(x), calls=50, rounds=5)
+    return row
+
+
+def markdown(result: dict) -> str:
+    ref = result["references"]
+    lines = [f"# Host cost per call: {result['device']}", "",
+             f"{result['date']}, torch {result['torch']}, Triton {result['triton']}; `{result['command']}`", "",
+             "| reference | host us per call |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in ref.items()]
+    lines += ["", "Host us per call (plans launching directly / every launch through Triton's JIT), bf16, "
+              "prepared weights, back-to-back calls:", "",
+              "| shape | M | moe_sorting | fused | two-stage | LoRA fused | LoRA two-stage |", "|---|---|---|---|---|---|---|"]
+    for row in result["forward"]:
+        cells = [f"{row[f'{v}_host_us']:.1f} / {row[f'{v}_host_us_jit_launch']:.1f}"
+                 for v in ("moe_sorting", "fused_moe_fused", "fused_moe_two_stage", "fused_moe_lora_fused",
+                           "fused_moe_lora_two_stage")]
+        lines.append(f"| {row['shape']} | {row['M']} | " + " | ".join(cells) + " |")
+    lines += ["", "GPU time of one forward (`path=\"auto\"`), us: one eager call from an idle GPU (CUDA events), "
+              "eager calls back to back, CUDA-graph replay:", "",
+              "| shape | M | path | eager, one call | eager, back to back | graph | one call / graph |",
+              "|---|---|---|---|---|---|---|"]
+    for row in result["forward"]:
+        lines.append(f"| {row['shape']} | {row['M']} | {row['auto_path']} | {row['forward_eager_one_call_us']:.1f} | "
+                     f"{row['forward_eager_back_to_back_us']:.1f} | {row['forward_graph_us']:.1f} | "
+                     f"{row['forward_eager_one_call_us'] / row['forward_graph_us']:.2f}x |")
+    if result.get("compiled"):
+        lines += ["", f"A {COMPILED_LAYERS}-layer MoE module (router, top-k, fused_moe, residual), us per step "
+                  "(GPU, back-to-back steps):", "",
+                  "| shape | M | eager | torch.compile | torch.compile reduce-overhead |", "|---|---|---|---|---|"]
+        for row in result["compiled"]:
+            lines.append(f"| {row['shape']} | {row['M']} | {row['eager_step_us']:.1f} | "
+                         f"{row['compiled_default_step_us']:.1f} | {row['compiled_reduce-overhead_step_us']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fmoe2.bench.host", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(SHAPES)}")
+    p.add_argument("--m", default="1", help="comma-separated batch sizes")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile module timings")
+    p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="results go to <out-dir>/host/")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the host-cost benchmark needs a CUDA or ROCm GPU")
+    gen = torch.Generator(device="cuda").manual_seed(a.seed)
+    result = {**run_record("python -m fmoe2.bench.host", argv), "references": reference_costs(), "forward": [],
+              "compiled": []}
+    print(json.dumps(result["references"]), flush=True)
+    for name in a.shapes.split(","):
+        for M in (int(m) for m in a.m.split(",")):
+            row = forward_costs(name, SHAPES[name], M, gen)
+            result["forward"].append(row)
+            print(json.dumps(row), flush=True)
+            if not a.no_compile:
+                row = compiled_module_costs(name, SHAPES[name], M, gen)
+                result["compiled"].append(row)
+                print(json.dumps(row), flush=True)
+    print(write_result(os.path.join(a.out_dir, "host", f"{device_config_name()}.json"), result, markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""The launches of one forward, as data: grid, arguments, constexprs and options of each kernel.
+
+``forward_specs`` lists them in order (sort, then the fused kernel, or stage 1 and stage 2, with
+the two-stage path's LoRA launches where they run); each ``*_launch`` function describes one
+kernel. They are pure functions of the problem, the buffers, the config and the
+:class:`~fmoe2.target.Target`, so the plan (``plan.py``), the code-generation report
+(``fmoe2.codegen``, on meta tensors for a GPU that is not there) and the tests all read the same
+launches. Every backend rule that decides a launch (tensor descriptors, programmatic dependent
+launch, the LoRA kernels' warps, stages, columns and splits) is here, decided from the target.
+Pointers a launch's flags leave unused are None: Triton makes them constexprs, so they are no
+launch arguments and cannot be read by mistake.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..launch import LaunchSpec
+from ..reference import SWIGLU_ALPHA
+from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers
+from ..target import Target
+from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
+from .fused_moe_kernel import _fused_moe_kernel
+from .grouped_gemm_kernel import _grouped_gemm_kernel
+from .lora import PreparedMoELoRA
+from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
+
+
+@dataclass
+class MoEProblem:
+    """Checked views of the arguments of one ``fused_moe`` call."""
+
+    x: torch.Tensor  # [M, H]
+    w1: torch.Tensor  # plain [E, 2I, H] or interleaved [E, 2*I_pad, H_pad]
+    w2: torch.Tensor  # [E, H(_pad), I(_pad)]
+    gate_up_interleaved: bool
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    topk: int
+    lora: Optional[PreparedMoELoRA] = None
+    token_lora_ids: Optional[torch.Tensor] = None  # [M] int32
+    w1_bias: Optional[torch.Tensor] = None  # [E, 2I(_pad)] in w1's row order
+    w2_bias: Optional[torch.Tensor] = None  # [E, H(_pad)]
+    swiglu_alpha: float = SWIGLU_ALPHA  # swiglu_oai's alpha (the default elsewhere)
+    swiglu_limit: Optional[float] = None  # clamp of gate and up before silu / swiglu_oai
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+
+def grid_tiles(problem: MoEProblem, block_m: int) -> int:
+    """Tiles the grids are sized for: the most any routing can fill (see ``max_busy_tiles``)."""
+    return max_busy_tiles(problem.num_tokens * problem.topk, problem.num_experts, block_m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffers of the two-stage path
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class TwoStageWorkspace:
+    """Buffers of the two-stage path, in sorted-row order (``grid_tiles * BLOCK_M`` rows)."""
+
+    # [rows, I] view of a [rows, I rounded up to 8] buffer (16-byte rows, for tensor descriptors), input
+    # dtype: activated intermediate, routing weight applied
+    y: torch.Tensor
+    # With adapters: partial shrinks [splits, rows, 2R] / [splits, rows, R] float32 (R the padded rank)
+    # of the gate/up and the down deltas, and the gate/up deltas [rows, 2I] (input dtype, gate then up);
+    # only rows with an adapter are written and read. Where the stages compute the deltas
+    # (deltas_in_stages) only lora_shrink2, one split per I slice of stage 1.
+    lora_shrink13: Optional[torch.Tensor] = None
+    lora_shrink2: Optional[torch.Tensor] = None
+    lora_delta13: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def buffers(problem: MoEProblem, block_m: int, config: FusedMoEConfig, target: Target
+                ) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+        """``(name, dtype, shape)`` of the buffers: ``y``, and with adapters those of the LoRA shrink
+        and expand launches, or, where the stages compute the deltas (:func:`deltas_in_stages`),
+        stage 1's down shrinks."""
+        tiles = grid_tiles(problem, block_m)
+        rows = tiles * block_m
+        inter, dtype = problem.intermediate_size, problem.x.dtype
+        # Row stride padded to 16 bytes so stage 2 can read y through a tensor descriptor.
+        buffers = [("y", dtype, (rows, -(-inter // 8) * 8))]
+        if deltas_in_stages(problem, config):
+            buffers.append(("lora_shrink2", torch.float32,
+                            (triton.cdiv(inter, config.BLOCK_N), rows, problem.lora.padded_rank)))
+        elif problem.lora is not None:
+            R = problem.lora.padded_rank
+            for name, K, parts in (("lora_shrink13", problem.hidden_size, 2), ("lora_shrink2", inter, 1)):
+                buffers.append((name, torch.float32, (lora_shrink_splits(tiles, K, target), rows, parts * R)))
+            buffers.append(("lora_delta13", dtype, (rows, 2 * inter)))
+        return buffers
+
+    @classmethod
+    def from_views(cls, views: dict, intermediate_size: int) -> "TwoStageWorkspace":
+        return cls(views["y"][:, :intermediate_size], views.get("lora_shrink13"), views.get("lora_shrink2"),
+                   views.get("lora_delta13"))
+
+    @classmethod
+    def allocate(cls, problem: MoEProblem, sorting: MoESortingResult, config: FusedMoEConfig,
+                 target: Target) -> "TwoStageWorkspace":
+        """The buffers as separate tensors (tests, ``fmoe2.codegen`` on meta tensors)."""
+        views = {name: torch.empty(shape, dtype=dtype, device=problem.x.device)
+                 for name, dtype, shape in cls.buffers(problem, sorting.block_m, config, target)}
+        return cls.from_views(views, problem.intermediate_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend rules
+# ---------------------------------------------------------------------------------------------
+
+TMA_MAX_BLOCK = 256  # largest tensor-descriptor block dimension (a hardware limit of the copy engine)
+
+
+def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, target: Target) -> bool:
+    """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared 16-bit
+    weights (rows padded to 16 bytes, as descriptors need) on CUDA. Triton lowers descriptors to the
+    bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
+    load compiled to 2-byte loads, so HIP keeps its pointer loads. fp32 (a testing dtype) keeps
+    pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90."""
+    return (config.tma and target.backend == "cuda" and problem.gate_up_interleaved
+            and problem.x.dtype in (torch.bfloat16, torch.float16)
+            and problem.w1.is_contiguous() and problem.w2.is_contiguous())
+
+
+def pdl_enabled(config: FusedMoEConfig, target: Target) -> bool:
+    """Whether the launches after the sort are programmatic dependents (``config.pdl``): on CUDA GPUs
+    of compute capability 9 or newer (``griddepcontrol``), never under the interpreter or on ROCm."""
+    return config.pdl and target.has_grid_dependency_control
+
+
+def _pdl_option(pdl: bool) -> dict:
+    """The launch option that goes with a PDL=True kernel (its gdc_wait makes the early start safe)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def _descriptor(t: torch.Tensor, block) -> Optional[TensorDescriptor]:
+    """Tensor descriptor of ``t`` ([E, rows, cols] viewed as [E * rows, cols], or 2-D) in ``block``
+    tiles; None (the kernels then use pointer loads) where the copy engine cannot take it: a block
+    dimension over TMA_MAX_BLOCK, or a base address or row stride that is not a multiple of 16 bytes."""
+    t2 = t.view(-1, t.shape[-1]) if t.dim() == 3 else t
+    row_bytes = t2.stride(0) * t2.element_size()
+    if max(block) > TMA_MAX_BLOCK or t2.stride(1) != 1 or row_bytes % 16 or t2.data_ptr() % 16:
+        return None
+    return TensorDescriptor.from_tensor(t2, list(block))
+
+
+def deltas_in_stages(problem: MoEProblem, config: FusedMoEConfig) -> bool:
+    """Whether this forward's two stages compute the adapter deltas themselves (no LoRA launches; the
+    only LoRA workspace holds stage 1's down shrinks; :func:`fmoe2.gemm.config.lora_in_stages` says
+    where)."""
+    return problem.lora is not None and lora_in_stages(config, problem.num_tokens, problem.num_experts, problem.topk)
+
+
+def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts: int) -> dict:
+    """LORA_RANK, LORA_IDS and LORA_SLOTS for ``num_rows`` = M*topk routed rows.
+
+    With fewer rows than experts, tiles hold about one row, hence one adapter: one slot.
+    Otherwise as many slots as adapters within LORA_STACK_WIDTH: measured on the H200 (rank 16,
+    4 adapters), 4 slots against 1 ran Qwen3/DeepSeek M=16 at 1.12x of the plain forward instead
+    of 1.19-1.25x, and M=128 at 1.12-1.15x instead of 1.70-1.81x.
+    """
+    if lora is None:
+        return dict(LORA_RANK=16, LORA_IDS=1, LORA_SLOTS=1)
+    ids = triton.next_power_of_2(lora.num_loras)
+    slots = min(ids, max(1, LORA_STACK_WIDTH // (2 * lora.padded_rank)))
+    if num_rows < num_experts:
+        slots = 1
+    return dict(LORA_RANK=lora.padded_rank, LORA_IDS=ids, LORA_SLOTS=slots)
+
+
+# Two-stage LoRA kernels (lora_kernel.py). The shrink's BLOCK_K: see lora_kernel_options. Expand
+# BLOCK_N and the programs per multiprocessor from a sweep on the H100 (2026-11-23; rank 16, 4 adapters,
+# mixed; Mixtral M=1-1024, Qwen3 and DeepSeek M=16-1024; BLOCK_N 64/128 x expand 1/2/4 x shrink 1/2
+# programs per SM): 128 / 2 / 2 was best or within 2% of best at every point; BLOCK_N=64 was up to
+# 2.5% slower, and one program per SM for both up to 6% slower (Qwen3 M=16: 331.7 vs 312.5 us).
+LORA_BLOCK_K = 64  # shrink step
+LORA_SHRINK_PROGRAMS_PER_SM = 2
+LORA_EXPAND_PROGRAMS_PER_SM = 2
+LORA_MAX_SHRINK_SPLITS = 16  # every expand program reads and sums this many partial shrinks
+LORA_INTERPRETER_PROGRAMS = 8  # programs the LoRA splits aim for off-GPU, so small tests split too
+LORA_SHRINK_SUM_ELEMENTS = 4096  # partial shrinks stage 2 loads per step of their sum ([splits, BLOCK_M, R] fp32)
+
+
+def lora_kernel_options(block_m: int, target: Target) -> dict:
+    """Warps and pipeline stages of the two-stage LoRA kernels.
+
+    CUDA sm_90 and newer (and the interpreter): 4 warps and 4 stages up to 64-row tiles, 8 warps
+    for 128 rows. Older CUDA GPUs and HIP: 8 warps, 2 stages. Measurements and spill counts behind
+    these: docs/lora.md ("Two-stage LoRA kernel options")."""
+    if target.backend == "hip" or target.pre_hopper_cuda:
+        return {"num_warps": 8, "num_stages": 2}
+    return {"num_warps": 4 if block_m <= 64 else 8, "num_stages": 4}
+
+
+def lora_expand_block_n(block_m: int, target: Target) -> int:
+    """Expand columns per step: 128 on sm_90 and newer (and the interpreter); 64 on HIP (128 spilled
+    65 VGPRs in the 32-row gate/up expand on gfx942); on older CUDA GPUs 128, 64 from 64-row tiles
+    (wider tiles spilled on sm_80). Measurements: docs/lora.md ("Two-stage LoRA kernel options")."""
+    if target.backend == "hip":
+        return 64
+    if target.pre_hopper_cuda:
+        return 64 if block_m >= 64 else 128
+    return 128
+
+
+def lora_splits(num_grid_tiles: int, length: int, block: int, programs_per_sm: int, target: Target) -> int:
+    """Programs per tile sharing a loop of ``length`` in ``block`` steps: about ``programs_per_sm``
+    programs per multiprocessor in all (off-GPU, ``LORA_INTERPRETER_PROGRAMS`` in all), at most one
+    per step."""
+    total = LORA_INTERPRETER_PROGRAMS if target.interpreter else programs_per_sm * target.num_sms
+    return max(1, min(triton.cdiv(length, block), triton.cdiv(total, num_grid_tiles)))
+
+
+def lora_shrink_splits(num_grid_tiles: int, K: int, target: Target) -> int:
+    """Splits of the shrink's K loop (H or I), hence partial shrinks per row in the workspace."""
+    splits = lora_splits(num_grid_tiles, K, LORA_BLOCK_K, LORA_SHRINK_PROGRAMS_PER_SM, target)
+    return min(LORA_MAX_SHRINK_SPLITS, splits)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels' launches
+# ---------------------------------------------------------------------------------------------
+
+def _lora_args(problem: MoEProblem) -> dict:
+    """The fused kernel's LoRA arguments (None without adapters)."""
+    lora = problem.lora
+    names = (("lora_a13_ptr", "la13"), ("lora_b13_ptr", "lb13"), ("lora_a2_ptr", "la2"), ("lora_b2_ptr", "lb2"))
+    if lora is None:
+        args = dict(token_lora_ids_ptr=None, lora_scaling_ptr=None, num_loras=None)
+        for ptr_name, prefix in names:
+            args.update({ptr_name: None, f"stride_{prefix}_l": None, f"stride_{prefix}_e": None,
+                         f"stride_{prefix}_r": None})
+        return args
+    args = dict(token_lora_ids_ptr=problem.token_lora_ids, lora_scaling_ptr=lora.scaling, num_loras=lora.num_loras)
+    for (ptr_name, prefix), t in zip(names, (lora.a13, lora.b13, lora.a2, lora.b2)):
+        s_l, s_e, s_r = t.stride()[:3]  # (adapter, expert, row)
+        args.update({ptr_name: t, f"stride_{prefix}_l": s_l, f"stride_{prefix}_e": s_e, f"stride_{prefix}_r": s_r})
+    return args
+
+
+def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
+                        config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace] = None
+                        ) -> LaunchSpec:
+    """The fused kernel's launch.
+
+    With ``workspace`` it is stage 1 of the two-stage path: it stores the intermediate into
+    ``workspace.y`` (and, with adapters, adds the gate/up deltas of ``workspace.lora_delta13``).
+    """
+    y = workspace.y if workspace is not None else None
+    delta13 = workspace.lora_delta13 if workspace is not None else None
+    # Deltas in the stages: stage 1 stores its slices' down shrinks.
+    shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
+    num_grid_tiles = grid_tiles(problem, sorting.block_m)
+    grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
+    tma = tma_enabled(config, problem, target)
+    has_lora = problem.lora is not None
+    args = dict(
+        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y,
+        w13_desc=_descriptor(problem.w1, (2 * config.BLOCK_N, config.BLOCK_K)) if tma else None,
+        w2_desc=_descriptor(problem.w2, (config.BLOCK_H, config.BLOCK_N)) if tma else None,
+        sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_weights_ptr=sorting.sorted_weights,
+        sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
+        num_tokens=problem.num_tokens, H=problem.hidden_size, I=problem.intermediate_size,
+        num_grid_tiles=num_grid_tiles,
+        stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
+        stride_w1_k=problem.w1.stride(2), stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1),
+        stride_w2_i=problem.w2.stride(2), stride_out_m=out.stride(0),
+        w1_bias_ptr=problem.w1_bias, w2_bias_ptr=problem.w2_bias,
+        stride_b1_e=problem.w1_bias.stride(0) if problem.w1_bias is not None else None,
+        stride_b2_e=problem.w2_bias.stride(0) if problem.w2_bias is not None else None,
+        stride_y_m=y.stride(0) if y is not None else None,
+        stride_delta13_m=delta13.stride(0) if delta13 is not None else None,
+        **_lora_args(problem),
+        num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
+        lora_delta13_ptr=delta13,
+        lora_shrink2_ptr=shrink2,
+        stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else None,
+    )
+    pdl = pdl_enabled(config, target)
+    constexprs = dict(
+        ACTIVATION=activation, SWIGLU_ALPHA=problem.swiglu_alpha, SWIGLU_LIMIT=problem.swiglu_limit,
+        HAS_W1_BIAS=problem.w1_bias is not None, HAS_W2_BIAS=problem.w2_bias is not None,
+        GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
+        GROUP_M=config.GROUP_M, STORE_Y=y is not None,
+        HAS_LORA=has_lora,
+        LORA_DELTAS_READY=delta13 is not None,
+        # Unused without adapters: a constant there, so a LoRA-fitted config adds no plain compile.
+        LORA_STAGES=(config.lora_num_stages or config.num_stages) if has_lora else 1,
+        PDL=pdl,
+        **lora_constexprs(problem.lora, problem.num_tokens * problem.topk, problem.num_experts),
+    )
+    return LaunchSpec("fused" if workspace is None else "stage1", _fused_moe_kernel, grid, args, constexprs,
+                      {**config.launch_options(target.backend), **_pdl_option(pdl)})
+
+
+def _num_lora_tokens(problem: MoEProblem, sorting: MoESortingResult) -> Optional[torch.Tensor]:
+    """The sort's count of tokens with an adapter (None without adapters)."""
+    if problem.lora is None:
+        return None
+    if sorting.num_lora_tokens is None:
+        raise ValueError("with lora, the sorting result must be allocated with count_lora_tokens=True")
+    return sorting.num_lora_tokens
+
+
+def _lora_operands(problem: MoEProblem, workspace: TwoStageWorkspace, down: bool):
+    """(shrink input, A, B, partial-shrink workspace, K, N) of the gate/up or the down deltas."""
+    lora = problem.lora
+    if down:
+        return workspace.y, lora.a2, lora.b2, workspace.lora_shrink2, problem.intermediate_size, problem.hidden_size
+    return problem.x, lora.a13, lora.b13, workspace.lora_shrink13, problem.hidden_size, problem.intermediate_size
+
+
+def lora_shrink_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace, down: bool,
+                       target: Target, pdl: bool = False) -> LaunchSpec:
+    """Two-stage path with adapters: the partial shrinks ``x @ A13^T`` (before stage 1) or, with
+    ``down``, ``y @ A2^T`` (after stage 1) into the workspace, K split over programs. ``pdl``:
+    launched as a programmatic dependent (see ``pdl_enabled``)."""
+    lora = problem.lora
+    a, la, _, shrink, K, _ = _lora_operands(problem, workspace, down)
+    args = dict(
+        a_ptr=a, token_lora_ids_ptr=problem.token_lora_ids, lora_a_ptr=la, shrink_ptr=shrink,
+        sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
+        num_tokens=problem.num_tokens, K=K, num_loras=lora.num_loras,
+        stride_a_m=a.stride(0), stride_la_l=la.stride(0), stride_la_e=la.stride(1), stride_la_r=la.stride(2),
+        stride_shrink_split=shrink.stride(0),
+    )
+    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_BLOCK_K, PDL=pdl,
+                      **lora_constexprs(lora, problem.num_tokens * problem.topk, problem.num_experts))
+    options = {**lora_kernel_options(sorting.block_m, target), **_pdl_option(pdl)}
+    return LaunchSpec("lora_shrink2" if down else "lora_shrink13", _lora_shrink_kernel,
+                      (grid_tiles(problem, sorting.block_m), shrink.shape[0]), args, constexprs, options)
+
+
+def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace: TwoStageWorkspace,
+                       out: torch.Tensor, down: bool, target: Target, pdl: bool = False) -> LaunchSpec:
+    """Two-stage path with adapters: the gate/up deltas into ``workspace.lora_delta13`` (before stage 1)
+    or, with ``down``, the down deltas added into ``out`` (before stage 2), from the summed partial
+    shrinks, N split over programs (see ``fmoe2/gemm/lora_kernel.py``). ``pdl``: launched as a
+    programmatic dependent."""
+    lora = problem.lora
+    num_grid_tiles = grid_tiles(problem, sorting.block_m)
+    _, _, lb, shrink, _, N = _lora_operands(problem, workspace, down)
+    dst = out if down else workspace.lora_delta13
+    args = dict(
+        shrink_ptr=shrink, token_lora_ids_ptr=problem.token_lora_ids, lora_b_ptr=lb, lora_scaling_ptr=lora.scaling,
+        dst_ptr=dst, sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_expert_ids_ptr=sorting.sorted_expert_ids,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
+        num_tokens=problem.num_tokens, N=N, num_loras=lora.num_loras,
+        num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0), stride_dst_m=dst.stride(0),
+        stride_lb_l=lb.stride(0), stride_lb_e=lb.stride(1), stride_lb_r=lb.stride(2),
+    )
+    block_n = lora_expand_block_n(sorting.block_m, target)
+    constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_N=block_n, PDL=pdl,
+                      **lora_constexprs(lora, problem.num_tokens * problem.topk, problem.num_experts))
+    num_splits = lora_splits(num_grid_tiles, N, block_n, LORA_EXPAND_PROGRAMS_PER_SM, target)
+    options = {**lora_kernel_options(sorting.block_m, target), **_pdl_option(pdl)}
+    return LaunchSpec("lora_expand2" if down else "lora_expand13", _lora_expand_kernel, (num_grid_tiles, num_splits),
+                      args, constexprs, options)
+
+
+def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult,
+                         workspace: TwoStageWorkspace, config: FusedMoEConfig, target: Target) -> LaunchSpec:
+    """Two-stage path, stage 2: ``out[token] += y[sorted row] @ w2[e]^T`` (grouped GEMM, atomics over top-k)."""
+    y = workspace.y
+    num_grid_tiles = grid_tiles(problem, sorting.block_m)
+    H = problem.hidden_size
+    lora = problem.lora if workspace.lora_delta13 is None else None  # down deltas here, or by their own launches
+    grid = (config.S2_SPLIT_K * num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
+    tma = tma_enabled(config, problem, target)
+    pdl = pdl_enabled(config, target)
+    args = dict(
+        a_ptr=y, b_ptr=problem.w2, c_ptr=out, sorted_ids_ptr=sorting.sorted_token_ids,
+        a_desc=_descriptor(y, (config.BLOCK_M, config.S2_BLOCK_K)) if tma else None,
+        b_desc=_descriptor(problem.w2, (config.S2_BLOCK_N, config.S2_BLOCK_K)) if tma else None,
+        b_rows_per_expert=problem.w2.shape[1],
+        expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
+        topk_weights_ptr=None, num_valid_ids=problem.num_tokens, N=H,
+        K=problem.intermediate_size, num_grid_tiles=num_grid_tiles, stride_a_m=y.stride(0),
+        stride_b_e=problem.w2.stride(0), stride_b_n=problem.w2.stride(1), stride_b_k=problem.w2.stride(2),
+        stride_c_m=out.stride(0),
+    )
+    constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=True,
+                      BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
+                      GROUP_M=config.S2_GROUP_M, PDL=pdl, SPLIT_K=config.S2_SPLIT_K)
+    if problem.w2_bias is not None:  # y carries the routing weight; the bias is scaled by it here
+        args.update(bias_ptr=problem.w2_bias, stride_bias_e=problem.w2_bias.stride(0),
+                    row_weights_ptr=sorting.sorted_weights)
+        constexprs.update(HAS_BIAS=True, SCALE_BIAS_BY_ROW_WEIGHT=True)
+    if lora is not None:
+        shrink, b2 = workspace.lora_shrink2, lora.b2
+        args.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,
+                    lora_scaling_ptr=lora.scaling, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
+                    num_loras=lora.num_loras, num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0),
+                    stride_lb_l=b2.stride(0), stride_lb_e=b2.stride(1), stride_lb_r=b2.stride(2))
+        lora_consts = lora_constexprs(lora, problem.num_tokens * problem.topk, problem.num_experts)
+        splits_per_step = max(1, LORA_SHRINK_SUM_ELEMENTS // (config.BLOCK_M * lora.padded_rank))
+        constexprs.update(HAS_LORA=True, LORA_SPLITS_PER_STEP=splits_per_step, **lora_consts)
+    return LaunchSpec("stage2", _grouped_gemm_kernel, grid, args, constexprs,
+                      {**config.launch_options(target.backend, stage2=True), **_pdl_option(pdl)})
+
+
+def forward_specs(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                  out: torch.Tensor, expert_map: Optional[torch.Tensor], config: FusedMoEConfig, target: Target,
+                  sorting: MoESortingResult, workspace: Optional[TwoStageWorkspace]) -> List[LaunchSpec]:
+    """The launches of one forward, in order: ``sort`` (``sort_count`` before it where the sort is
+    chunked), then ``fused``, or ``stage1`` and ``stage2`` (with adapters, unless the stages compute
+    the deltas (:func:`deltas_in_stages`), ``lora_shrink13`` and ``lora_expand13`` before stage 1,
+    ``lora_shrink2`` and ``lora_expand2`` before stage 2). ``workspace`` is None on the fused path."""
+    lora = problem.lora
+    pdl = pdl_enabled(config, target)
+    # With PDL every launch after the sort starts while its predecessor runs and waits in-kernel; all but
+    # stage 2 signal their dependents early. With adapters the sort also counts the tokens that have one.
+    specs = sort_launch_specs(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out,
+                              token_lora_ids=problem.token_lora_ids, num_loras=lora.num_loras if lora is not None else 0,
+                              launch_dependents=pdl, num_compute_units=target.num_sms)
+    if workspace is None:
+        return specs + [fused_kernel_launch(problem, out, sorting, activation, config, target)]
+    lora_launches = lora is not None and not deltas_in_stages(problem, config)
+    if lora_launches:
+        specs += [lora_shrink_launch(problem, sorting, workspace, False, target, pdl),
+                  lora_expand_launch(problem, sorting, workspace, out, False, target, pdl)]
+    specs.append(fused_kernel_launch(problem, out, sorting, activation, config, target, workspace))
+    if lora_launches:
+        specs += [lora_shrink_launch(problem, sorting, workspace, True, target, pdl),
+                  lora_expand_launch(problem, sorting, workspace, out, True, target, pdl)]
+    specs.append(stage2_kernel_launch(problem, out, sorting, workspace, config, target))
+    return specs
+
+
+def forward_buffers(problem: MoEProblem, config: FusedMoEConfig, target: Target, chunk_size: int
+                    ) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of every buffer a forward allocates: the sort's (``chunk_size``: of
+    the chunked sort, 0 for one launch), then on the two-stage path the workspace's."""
+    buffers = sorting_buffers(problem.num_tokens * problem.topk, problem.num_experts, config.BLOCK_M,
+                              problem.lora is not None, chunk_size)
+    if config.path == "two_stage":
+        buffers += TwoStageWorkspace.buffers(problem, config.BLOCK_M, config, target)
+    return buffers
+
+
+def forward_buffer_views(problem: MoEProblem, config: FusedMoEConfig, views: dict, chunk_size: int
+                         ) -> Tuple[MoESortingResult, Optional[TwoStageWorkspace]]:
+    """The sorting result and (two-stage path) workspace held by ``views`` of :func:`forward_buffers`."""
+    sorting = MoESortingResult.from_views(views, config.BLOCK_M, problem.num_tokens, chunk_size)
+    workspace = TwoStageWorkspace.from_views(views, problem.intermediate_size) if config.path == "two_stage" else None
+    return sorting, workspace
+
+
+__all__ = ["MoEProblem", "TwoStageWorkspace", "forward_specs", "forward_buffers", "forward_buffer_views",
+           "fused_kernel_launch", "stage2_kernel_launch", "lora_shrink_launch", "lora_expand_launch",
+           "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs", "grid_tiles"]

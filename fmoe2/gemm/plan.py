@@ -1,0 +1,110 @@
+"""The plan of a forward: what depends only on the call's key, settled once and cached.
+
+A plan is built by the first call with a given key (``fused_moe.py`` makes the key: shapes, dtypes,
+strides and devices of every tensor, which optional tensors are given, batch size, activation,
+path, config, and whether every pointer is 16-byte aligned). It holds:
+
+* the config, picked and fitted once (``get_config`` / ``fit_given_config``) for the
+  :class:`~fmoe2.target.Target` (the backend rules: ``launches.py``);
+* the layout of the one scratch allocation of a call (the sort's buffers and, on the two-stage
+  path, the workspace: ``forward_buffers``);
+* after its first run, the forward's launches bound to their compiled kernels
+  (:class:`~fmoe2.launch.BoundLaunch`).
+
+A later call with the same key then allocates its output (unless given) and the scratch block,
+and launches the bound kernels with its own device pointers: no config lookup, no device query,
+no argument binding. Where launches cannot be bound (the Triton interpreter, unaligned pointers,
+Triton launch hooks, ``fmoe2.launch.set_launch_mode("jit")``) every call builds the launch
+descriptions again from its tensors and launches them through Triton's JIT, with the plan's
+config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .._validation import check_out_overlaps_at
+from ..buffers import BufferLayout
+from ..launch import BoundLaunch, bind_launches, direct_launches
+from ..sorting import checked_chunk_size
+from ..target import Target
+from .config import FusedMoEConfig
+from . import launches
+from .launches import MoEProblem, forward_buffer_views, forward_buffers
+
+# Per-call device addresses a plan's launches read, in this order (0 where absent); the scratch
+# buffers' addresses follow them.
+INPUT_SOURCES = ("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "out", "expert_map", "token_lora_ids",
+                 "lora.a13", "lora.b13", "lora.a2", "lora.b2", "lora.scaling", "w1_bias", "w2_bias")
+OUT_SOURCE = INPUT_SOURCES.index("out")
+
+
+def input_sources(problem: MoEProblem, topk_weights, topk_ids, out, expert_map) -> List[Optional[torch.Tensor]]:
+    """The call's tensors in :data:`INPUT_SOURCES` order."""
+    lora = problem.lora
+    lora_tensors = (lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling) if lora is not None else (None,) * 5
+    return [problem.x, problem.w1, problem.w2, topk_weights, topk_ids, out, expert_map, problem.token_lora_ids,
+            *lora_tensors, problem.w1_bias, problem.w2_bias]
+
+
+@dataclass
+class MoEPlan:
+    """A forward settled for one key (module docstring)."""
+
+    config: FusedMoEConfig  # picked and fitted
+    target: Target
+    activation: str
+    chunk_size: int  # routing entries per chunk of the two-launch sort; 0: one launch
+    layout: BufferLayout  # the call's scratch block
+    device: torch.device
+    input_nbytes: Tuple[int, ...]  # bytes of each input source (0: absent), for the out-overlap check
+    launches: Optional[List[BoundLaunch]] = None  # bound by the first run; None: launches go through the JIT
+    bindable: bool = True  # whether the first run may bind (not under the interpreter, pointers 16-byte aligned)
+
+    def __post_init__(self):
+        self.scratch_bytes, self.scratch_offsets = self.layout.nbytes, self.layout.offsets  # read on every call
+
+    @property
+    def launch_names(self) -> List[str]:
+        return [launch.name for launch in self.launches] if self.launches is not None else []
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls launch the bound kernels directly."""
+        return self.launches is not None and direct_launches()
+
+    def specs(self, problem: MoEProblem, topk_weights, topk_ids, out, expert_map, block: torch.Tensor):
+        """The launch descriptions of this call, on the scratch ``block``."""
+        sorting, workspace = forward_buffer_views(problem, self.config, self.layout.views(block), self.chunk_size)
+        return launches.forward_specs(problem, topk_weights, topk_ids, self.activation, out, expert_map, self.config,
+                                      self.target, sorting, workspace)
+
+    def run_jit(self, problem: MoEProblem, topk_weights, topk_ids, out, expert_map) -> None:
+        """Runs the forward through Triton's JIT (which compiles on first use); binds the launches
+        when they can be (first run of a bindable plan)."""
+        block = self.layout.allocate(problem.x.device)
+        specs = self.specs(problem, topk_weights, topk_ids, out, expert_map, block)
+        compiled = [spec.launch() for spec in specs]
+        if self.launches is None and self.bindable:
+            sources = [t.data_ptr() if t is not None else 0
+                       for t in input_sources(problem, topk_weights, topk_ids, out, expert_map)]
+            base = block.data_ptr()
+            self.launches = bind_launches(specs, compiled, sources + [base + o for o in self.scratch_offsets])
+            self.bindable = self.launches is not None
+
+    def check_out_overlap(self, sources: Sequence[int]) -> None:
+        """Refuses an ``out`` that shares memory with an input (it is zeroed while they are read)."""
+        check_out_overlaps_at(INPUT_SOURCES, sources, self.input_nbytes, OUT_SOURCE)
+
+
+def build_plan(problem: MoEProblem, activation: str, config: FusedMoEConfig, target: Target,
+               topk_weights, topk_ids, out, expert_map, bindable: bool) -> MoEPlan:
+    """The plan of ``problem`` run with the (fitted) ``config`` on ``target``."""
+    chunk_size = checked_chunk_size(problem.num_experts, problem.num_tokens * problem.topk)
+    layout = BufferLayout.of(forward_buffers(problem, config, target, chunk_size))
+    nbytes = tuple(t.numel() * t.element_size() if t is not None else 0
+                   for t in input_sources(problem, topk_weights, topk_ids, out, expert_map))
+    return MoEPlan(config, target, activation, chunk_size, layout, problem.x.device, nbytes,
+                   bindable=bindable and not target.interpreter)

@@ -1,0 +1,218 @@
+"""fmoe2 as a Hugging Face transformers experts backend (transformers >= 5.7).
+
+    import fmoe2.integrations.transformers  # registers "fmoe2"
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="fmoe2")
+
+transformers runs every MoE family's experts (``@use_experts_implementation``) through a backend
+``fn(experts_module, hidden_states [T, H], top_k_index [T, k] int64, top_k_weights [T, k]) -> [T, H]``.
+This one calls :func:`fmoe2.fused_moe` on the module's own parameters, read in place: no copy of the
+expert weights, whatever their layout (``[E, 2I, H]`` / ``[E, H, I]``, or transposed ``[E, H, 2I]``
+/ ``[E, I, H]`` as gpt-oss and aria store them; gate and up concatenated or interleaved), with their
+biases; routing ids (int64) and weights (fp32 or the model dtype) go to the sort as they come.
+
+What each experts module computes is read from the module, not from config strings: its
+``_apply_gate`` (transformers' default ``act_fn(gate) * up``, or an override such as gpt-oss's
+clamped SwiGLU) and the type of its ``act_fn``. The first eager call checks that reading
+numerically: the module's own ``_apply_gate`` on random values must equal fmoe2's activation. A
+module fmoe2 cannot compute exactly runs transformers' ``grouped_mm`` backend instead, with one
+warning naming the reason: never a wrong result. Under expert parallelism (transformers 5.18+) ids
+of other ranks' experts arrive as ids >= the local expert count with weight 0; fmoe2's sort drops
+them at no cost.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from transformers import activations as _activations
+    from transformers.integrations import moe as _moe
+except ImportError as error:  # pragma: no cover - depends on the installed transformers
+    raise ImportError("fmoe2's transformers backend needs transformers >= 5.7 (its experts backends registry, "
+                      "transformers.integrations.moe.ExpertsInterface): pip install 'fmoe2[transformers]'") from error
+
+from .._validation import interpreter_enabled
+from ..gemm.fused_moe import fused_moe
+from ..launch import tracing
+from ..reference import SWIGLU_ALPHA, gated_activation
+
+BACKEND_NAME = "fmoe2"
+# _apply_gate overrides fmoe2 computes, by the qualified name of the method, with the module attributes
+# (then config fields) that hold their parameters. Each is checked against the module's own method on
+# the first eager call.
+OAI_SWIGLU_GATES = ("GptOssExperts._apply_gate", "OpenAIPrivacyFilterExperts._apply_gate",
+                    "MiniMaxM3VLExperts._apply_gate")
+CLAMPED_SILU_GATES = ("HYV4Experts._apply_gate", "HYV4VLExperts._apply_gate", "Glm5NextTextExperts._apply_gate",
+                      "DeepseekV4Experts._apply_gate")
+PROBE_ROWS, PROBE_COLUMNS, PROBE_SCALE = 8, 16, 12.0  # the check's random gate/up values (beyond the clamps)
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """How fmoe2 computes one transformers experts module, or why it does not (``fallback``)."""
+
+    activation: str = "silu"
+    gate_up_interleaved: bool = False
+    swiglu_alpha: float = SWIGLU_ALPHA
+    swiglu_limit: Optional[float] = None
+    fallback: str = ""  # the reason it runs transformers' grouped_mm instead ("": fmoe2 runs it)
+    checked: bool = False  # the activation was checked against the module's _apply_gate
+    # Read from a gate override fmoe2 does not know by name (its act_fn's activation): used only once checked.
+    needs_check: bool = False
+
+
+_SILU_TYPES = (_activations.SiLUActivation, torch.nn.SiLU)
+_GELU_TANH_TYPES = tuple(getattr(_activations, name) for name in ("GELUTanh", "NewGELUActivation", "FastGELUActivation")
+                         if hasattr(_activations, name))
+
+
+def _activation_of(act_fn) -> Optional[str]:
+    """fmoe2's name of a transformers activation module (or function), None when it has none."""
+    if act_fn is F.silu or isinstance(act_fn, _SILU_TYPES):
+        return "silu"
+    if isinstance(act_fn, _activations.GELUActivation):
+        return "gelu"
+    if isinstance(act_fn, _GELU_TANH_TYPES):
+        return "gelu_tanh"
+    if isinstance(act_fn, torch.nn.GELU):
+        return "gelu_tanh" if act_fn.approximate == "tanh" else "gelu"
+    return None
+
+
+def _parameter(module, *names):
+    """The first of ``names`` found on the module or its config."""
+    for owner in (module, getattr(module, "config", None)):
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    return None
+
+
+def classify(module) -> ExpertsSpec:
+    """The spec read from the module's attributes alone (no tensors: torch.compile traces it)."""
+    if not getattr(module, "has_gate", True):
+        return ExpertsSpec(fallback="its experts have no gate (has_gate=False); fmoe2 computes gated experts")
+    if getattr(module, "has_post_expert_norm", False):
+        return ExpertsSpec(fallback="it normalises each expert's output (has_post_expert_norm)")
+    interleaved = not getattr(module, "is_concatenated", True)
+    gate = type(module)._apply_gate
+    if gate is _moe._default_apply_gate:  # act_fn(gate) * up on [gate; up]
+        activation = _activation_of(getattr(module, "act_fn", None))
+        if activation is None:
+            return ExpertsSpec(fallback=f"activation {type(getattr(module, 'act_fn', None)).__name__} is not one of "
+                                        "fmoe2's (silu, gelu, gelu_tanh, swiglu_oai)")
+        return ExpertsSpec(activation=activation)
+    name = getattr(gate, "__qualname__", repr(gate))
+    if name in OAI_SWIGLU_GATES:
+        alpha = _parameter(module, "alpha", "swiglu_alpha")
+        return ExpertsSpec("swiglu_oai", interleaved, alpha if alpha is not None else SWIGLU_ALPHA,
+                           _parameter(module, "limit", "swiglu_limit"))
+    if name in CLAMPED_SILU_GATES:
+        limit = _parameter(module, "limit", "swiglu_limit")
+        if limit is not None:
+            return ExpertsSpec("silu", interleaved, SWIGLU_ALPHA, limit)
+    # Another override (e.g. the activation computed in fp32, as fmoe2 does anyway): its act_fn's activation,
+    # if the check confirms it.
+    activation = _activation_of(getattr(module, "act_fn", None))
+    if activation is not None:
+        return ExpertsSpec(activation, interleaved, needs_check=True)
+    return ExpertsSpec(fallback=f"its own gate ({name}) is not one fmoe2 computes")
+
+
+def check_gate(module, spec: ExpertsSpec) -> ExpertsSpec:
+    """``spec`` checked against the module's own ``_apply_gate`` on random gate/up values (fp32, past
+    any clamp), in either gate/up order; a mismatch becomes a fallback."""
+    if spec.fallback:
+        return spec
+    device = module.gate_up_proj.device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    projection = (torch.randn(PROBE_ROWS, 2 * PROBE_COLUMNS, generator=gen) * PROBE_SCALE).to(device)
+    try:
+        with torch.no_grad():
+            expected = module._apply_gate(projection).float()
+    except Exception as error:  # noqa: BLE001 - an override we cannot run on a probe: not ours to guess
+        return ExpertsSpec(fallback=f"its gate could not be checked ({type(error).__name__}: {error})")
+    for interleaved in (spec.gate_up_interleaved, not spec.gate_up_interleaved):
+        gate, up = ((projection[:, 0::2], projection[:, 1::2]) if interleaved
+                    else (projection[:, :PROBE_COLUMNS], projection[:, PROBE_COLUMNS:]))
+        ours = gated_activation(gate, up, spec.activation, spec.swiglu_alpha, spec.swiglu_limit)
+        if expected.shape == ours.shape and torch.allclose(expected, ours, rtol=1e-4, atol=1e-4):
+            return ExpertsSpec(spec.activation, interleaved, spec.swiglu_alpha, spec.swiglu_limit, checked=True)
+    name = getattr(type(module)._apply_gate, "__qualname__", "_apply_gate")
+    return ExpertsSpec(fallback=f"its gate ({name}) differs from fmoe2's {spec.activation} on a check")
+
+
+def experts_spec(module) -> ExpertsSpec:
+    """The module's spec: read and checked on its first eager call, then kept on the module."""
+    spec = getattr(module, "_fmoe2_spec", None)
+    if spec is not None:
+        return spec
+    spec = classify(module)
+    if not tracing():
+        spec = check_gate(module, spec)
+        module._fmoe2_spec = spec
+    elif spec.needs_check:
+        return ExpertsSpec(fallback=f"its own gate ({type(module).__name__}._apply_gate) is checked on an eager call "
+                                    "first: run the model once before torch.compile traces it")
+    return spec
+
+
+def call_fallback_reason(module, hidden_states) -> str:
+    """Why this call cannot run on fmoe2 although the module can ("" when it can)."""
+    weight = module.gate_up_proj
+    if hidden_states.dtype != weight.dtype:
+        return f"hidden states ({hidden_states.dtype}) and expert weights ({weight.dtype}) differ in dtype"
+    if torch.is_grad_enabled() and (weight.requires_grad or hidden_states.requires_grad):
+        return "gradients are required and fmoe2 is inference-only (run under torch.no_grad())"
+    if hidden_states.device.type == "cpu" and not interpreter_enabled():
+        return "the model is on the CPU (fmoe2's kernels need a GPU, or TRITON_INTERPRET=1)"
+    return ""
+
+
+_warned = set()
+
+
+def _fallback(module, reason: str, hidden_states, top_k_index, top_k_weights):
+    if not tracing() and (type(module), reason) not in _warned:
+        _warned.add((type(module), reason))
+        warnings.warn(f"fmoe2 experts backend: {type(module).__name__} runs transformers' grouped_mm instead: "
+                      f"{reason}", stacklevel=3)
+    return _moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, hidden_states, top_k_index, top_k_weights)
+
+
+def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"fmoe2"`` experts backend: ``fmoe2.fused_moe`` on the module's parameters, in place."""
+    spec = experts_spec(module)
+    reason = spec.fallback or call_fallback_reason(module, hidden_states)
+    if reason:
+        return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
+    w1, w2 = module.gate_up_proj, module.down_proj
+    if getattr(module, "is_transposed", False):  # [E, H, 2I] / [E, I, H]: read through their strides
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    biases = {}
+    if getattr(module, "has_bias", False):
+        biases = dict(w1_bias=module.gate_up_proj_bias, w2_bias=module.down_proj_bias)
+    if not hidden_states.is_contiguous():
+        hidden_states = hidden_states.contiguous()
+    return fused_moe(hidden_states, w1, w2, top_k_weights, top_k_index, activation=spec.activation,
+                     gate_up_interleaved=spec.gate_up_interleaved, swiglu_alpha=spec.swiglu_alpha,
+                     swiglu_limit=spec.swiglu_limit, **biases)
+
+
+def register(name: str = BACKEND_NAME) -> str:
+    """Registers the backend under ``name`` in transformers' experts registry (idempotent); returns
+    ``name``. Importing this module registers ``"fmoe2"``."""
+    _moe.ExpertsInterface.register(name, fmoe2_experts_forward)
+    return name
+
+
+register()
+
+__all__ = ["register", "fmoe2_experts_forward", "experts_spec", "classify", "check_gate", "ExpertsSpec",
+           "BACKEND_NAME"]

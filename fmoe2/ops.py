@@ -1,0 +1,125 @@
+"""fmoe2's ops in torch.library, for ``torch.compile``: ``torch.ops.fmoe2.fused_moe`` and
+``torch.ops.fmoe2.moe_sorting``.
+
+``fmoe2.fused_moe`` and ``fmoe2.moe_sorting`` call these ops only while ``torch.compile``
+traces them (``torch.compiler.is_compiling()``); run eagerly they skip the dispatcher and run
+their cached plan directly. Traced, an op is one node of the graph: its fake implementation gives
+the output's shape and dtype, so ``fullgraph=True`` traces through it, and at run time it calls
+the eager function, whose launches CUDA graphs capture (``mode="reduce-overhead"``). The ops
+allocate their outputs and mutate no input (``fused_moe``'s ``out=`` becomes a copy after the
+op), so Inductor's CUDA-graph trees do not skip a graph for them.
+
+The schemas take tensors and plain values only: prepared weights and adapters travel as their
+tensors plus the sizes needed to rebuild them, a caller's config as JSON.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from .gemm.config import FusedMoEConfig
+from .reference import SWIGLU_ALPHA
+from .gemm.layout import PreparedMoEWeights
+from .gemm.lora import PreparedMoELoRA, prepare_lora
+from .sorting.moe_sorting import MoESortingResult, max_num_tokens_padded
+
+_LIB = torch.library.Library("fmoe2", "DEF")
+_LIB.define(
+    "fused_moe(Tensor hidden_states, Tensor w1, Tensor? w2, Tensor topk_weights, Tensor topk_ids, str activation, "
+    "Tensor? expert_map, str path, str config, int prepared_hidden_size, int prepared_intermediate_size, "
+    "Tensor? lora_a13, Tensor? lora_b13, Tensor? lora_a2, Tensor? lora_b2, Tensor? lora_scaling, int lora_rank, "
+    "Tensor? token_lora_ids, Tensor? w1_bias, Tensor? w2_bias, bool gate_up_interleaved, float swiglu_alpha, "
+    "float? swiglu_limit) -> Tensor")
+_LIB.define(
+    "moe_sorting(Tensor topk_ids, Tensor topk_weights, int num_experts, int block_m, Tensor(a!)? out, "
+    "Tensor? expert_map) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, path, config,
+                    prepared_hidden_size, prepared_intermediate_size, lora_a13, lora_b13, lora_a2, lora_b2,
+                    lora_scaling, lora_rank, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha,
+                    swiglu_limit):
+    from .gemm.fused_moe import fused_moe
+
+    if prepared_intermediate_size:  # prepared weights: their biases travel as w1_bias / w2_bias
+        w1, w2 = PreparedMoEWeights(w1, w2, prepared_hidden_size, prepared_intermediate_size, w1_bias, w2_bias), None
+        w1_bias = w2_bias = None
+    lora = None
+    if lora_a13 is not None:
+        lora = PreparedMoELoRA(lora_a13, lora_b13, lora_a2, lora_b2, lora_scaling, lora_rank,
+                               hidden_states.shape[1], prepared_intermediate_size or w1.shape[1] // 2)
+    return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, expert_map=expert_map,
+                     config=FusedMoEConfig.from_dict(json.loads(config)) if config else None, path=path, lora=lora,
+                     token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
+                     gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+
+def _fused_moe_fake(hidden_states, *args):
+    return torch.empty_like(hidden_states)
+
+
+def _moe_sorting_impl(topk_ids, topk_weights, num_experts, block_m, out, expert_map):
+    from .sorting.moe_sorting import _check_sorting_args, launch_moe_sorting, sorting_buffers
+
+    _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
+    M, topk = topk_ids.shape
+    # Separate tensors: the op's outputs must not share storage.
+    views = {name: torch.empty(shape, dtype=dtype, device=topk_ids.device)
+             for name, dtype, shape in sorting_buffers(M * topk, num_experts, block_m)}
+    result = MoESortingResult.from_views(views, block_m, M, 0)
+    launch_moe_sorting(topk_ids, topk_weights, num_experts, expert_map, result, out)
+    return (result.sorted_token_ids, result.sorted_weights, result.sorted_expert_ids, result.num_tokens_post_padded,
+            result.num_sorted_tiles)
+
+
+def _moe_sorting_fake(topk_ids, topk_weights, num_experts, block_m, out, expert_map):
+    M, topk = topk_ids.shape
+    padded = max_num_tokens_padded(M * topk, num_experts, block_m)
+    ints = dict(dtype=torch.int32, device=topk_ids.device)
+    return (topk_ids.new_empty(padded, dtype=torch.int32), topk_ids.new_empty(padded, dtype=torch.float32),
+            torch.empty(padded // block_m, **ints), torch.empty(1, **ints), torch.empty(1, **ints))
+
+
+for _device in ("CPU", "CUDA"):  # CPU: the Triton interpreter
+    _LIB.impl("fused_moe", _fused_moe_impl, _device)
+    _LIB.impl("moe_sorting", _moe_sorting_impl, _device)
+torch.library.register_fake("fmoe2::fused_moe", _fused_moe_fake, lib=_LIB)
+torch.library.register_fake("fmoe2::moe_sorting", _moe_sorting_fake, lib=_LIB)
+
+
+def fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
+                      config: Optional[FusedMoEConfig] = None, path="auto", lora=None, token_lora_ids=None,
+                      w1_bias=None, w2_bias=None, gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA,
+                      swiglu_limit=None):
+    """``fmoe2.fused_moe``'s arguments passed to ``torch.ops.fmoe2.fused_moe`` (what it runs while
+    ``torch.compile`` traces it); ``out`` is then filled by a copy."""
+    prepared_h = prepared_i = 0
+    if isinstance(w1, PreparedMoEWeights):
+        if w1_bias is not None or w2_bias is not None:  # the op's impl would pass them on as the prepared ones
+            raise ValueError("w1_bias/w2_bias go with plain weights; prepared weights carry their biases "
+                             "(fmoe2.prepare_weights(w1, w2, w1_bias=..., w2_bias=...))")
+        prepared_h, prepared_i = w1.hidden_size, w1.intermediate_size
+        w1, w2, w1_bias, w2_bias = w1.w13, w1.w2, w1.b13, w1.b2
+    lora_tensors, lora_rank = (None,) * 5, 0
+    if lora is not None:
+        lora = prepare_lora(lora)
+        lora_tensors, lora_rank = (lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling), lora.rank
+    result = torch.ops.fmoe2.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, path,
+                                       config.to_json() if config is not None else "", prepared_h, prepared_i,
+                                       *lora_tensors, lora_rank, token_lora_ids, w1_bias, w2_bias,
+                                       gate_up_interleaved, float(swiglu_alpha),
+                                       float(swiglu_limit) if swiglu_limit is not None else None)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def moe_sorting_op_call(topk_ids, topk_weights, num_experts, block_m, out=None, expert_map=None) -> MoESortingResult:
+    """``fmoe2.moe_sorting`` as ``torch.ops.fmoe2.moe_sorting`` (what it runs while ``torch.compile``
+    traces it; always the one-launch sort)."""
+    ids, weights, experts, post_padded, tiles = torch.ops.fmoe2.moe_sorting(topk_ids, topk_weights, num_experts,
+                                                                            block_m, out, expert_map)
+    return MoESortingResult(ids, weights, experts, post_padded, tiles, block_m, topk_ids.shape[0])
