@@ -5,6 +5,8 @@ the fused path; a three-launch two-stage path where it measures faster).
 * :func:`fused_moe` - sort + one fused kernel (gate+up GEMM, activation, routing weight,
   down GEMM with atomic adds), or sort + two stages for large batches;
 * :func:`prepare_weights` - one-time conversion of expert weights to the prepared layout;
+* fp8 weights (block-wise, per channel or per expert scales) with activations quantized inside the
+  kernels: :mod:`fmoe2.fp8` (:func:`quantize_fp8_weights` makes them from 16-bit weights);
 * :class:`MoELoRA` / :func:`prepare_lora` - multi-LoRA adapters (inside the fused kernel; on the two-stage path
   inside the stages at decode sizes, else beside them);
 * :mod:`fmoe2.reference` - pure-torch references of both ops;
@@ -16,6 +18,7 @@ layout, launches bound to their compiled kernels): :func:`clear_plan_cache` drop
 """
 from .gemm import (FusedMoEConfig, MoELoRA, PreparedMoELoRA, PreparedMoEWeights, fused_moe, get_config, prepare_lora,
                    prepare_weights)
+from .fp8 import quantize_weights as quantize_fp8_weights
 from .reference import fused_moe_reference, moe_sorting_reference
 from .sorting import MoESortingResult, moe_sorting
 from . import ops  # noqa: F401  (registers torch.ops.fmoe2.*)
@@ -35,6 +38,7 @@ __all__ = [
     "fused_moe",
     "moe_sorting",
     "prepare_weights",
+    "quantize_fp8_weights",
     "PreparedMoEWeights",
     "MoELoRA",
     "prepare_lora",

@@ -1,7 +1,7 @@
 """Code-generation report: compile fmoe2's kernels for a GPU that is not there and read the code.
 
     python -m fmoe2.codegen --target {sm_80,sm_90,sm_100,gfx90a,gfx942,gfx950} [--shape E,H,I,topk] [--m 1,4096]
-                            [--lora-rank 16 --num-loras 4]
+                            [--lora-rank 16 --num-loras 4] [--fp8 {block,channel,tensor}]
 
 For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
 AMD), spills, shared memory / LDS bytes, the matrix instructions found and the instructions the
@@ -32,7 +32,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm.config import fit_lora_config_to_problem, get_config
+from .fp8 import DEFAULT_BLOCK_SHAPE, weight_scale_view
+from .gemm.config import fit_fp8_config, fit_lora_config_to_problem, get_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, deltas_in_stages, fused_kernel_launch, lora_expand_launch,
                             lora_shrink_launch, stage2_kernel_launch)
 from .gemm.layout import _round_up
@@ -51,7 +52,8 @@ TARGET_MULTIPROCESSORS = {name: t.num_sms for name, t in NAMED_TARGETS.items()}
 TARGET_SHARED_MEMORY = {name: t.shared_memory for name, t in NAMED_TARGETS.items()}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.int32: "i32", torch.int64: "i64"}
+                 torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
+FP8_SCHEMES = ("block", "channel", "tensor")
 
 
 def _signature(fn, args: dict, constexprs: dict, backend: str):
@@ -197,7 +199,7 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
 
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
-                   num_loras: int = 4, tma: bool = False, pdl: bool = False) -> List[dict]:
+                   num_loras: int = 4, tma: bool = False, pdl: bool = False, fp8: str = "") -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always
@@ -209,21 +211,40 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     plain stage 1 (where the stages compute the deltas, ``lora_in_stages``: ``fused_moe_stage1_lora``
     and ``moe_stage2_lora`` only).
     ``tma`` compiles the configs with ``tma=True`` (weight tiles through tensor descriptors), ``pdl``
-    with ``pdl=True`` (programmatic dependent launch).
+    with ``pdl=True`` (programmatic dependent launch). ``fp8`` ("block", "channel" or "tensor"): fp8
+    weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
+    (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
     """
+    if fp8 and fp8 not in FP8_SCHEMES:
+        raise ValueError(f"fp8 must be one of {FP8_SCHEMES} or empty, got {fp8!r}")
+    if fp8 and lora_rank:
+        raise ValueError("fp8 weights do not take LoRA adapters yet")
     target = TARGETS[target_name]
     named = NAMED_TARGETS[target_name]
     backend = target.backend
     E, H, inter, topk = shape
     meta = dict(device="meta")
     x = torch.empty(M, H, dtype=dtype, **meta)
+    weight_dtype = dtype
+    if fp8:
+        weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
     if prepared:
         h_pad, i_pad = _round_up(H, 64), _round_up(inter, 64)
-        w1 = torch.empty(E, 2 * i_pad, h_pad, dtype=dtype, **meta)
-        w2 = torch.empty(E, h_pad, i_pad, dtype=dtype, **meta)
+        w1 = torch.empty(E, 2 * i_pad, h_pad, dtype=weight_dtype, **meta)
+        w2 = torch.empty(E, h_pad, i_pad, dtype=weight_dtype, **meta)
     else:
-        w1 = torch.empty(E, 2 * inter, H, dtype=dtype, **meta)
-        w2 = torch.empty(E, H, inter, dtype=dtype, **meta)
+        w1 = torch.empty(E, 2 * inter, H, dtype=weight_dtype, **meta)
+        w2 = torch.empty(E, H, inter, dtype=weight_dtype, **meta)
+    scales = {}
+    if fp8:
+        block = DEFAULT_BLOCK_SHAPE if fp8 == "block" else None
+        shapes = {"block": ((E, -(-2 * inter // 128), -(-H // 128)), (E, -(-H // 128), -(-inter // 128))),
+                  "channel": ((E, 2 * inter), (E, H)), "tensor": ((E,), (E,))}[fp8]
+        s1, bn, bk, _ = weight_scale_view("w1_scale", torch.empty(shapes[0], dtype=torch.float32, **meta), E,
+                                          2 * inter, H, block)
+        s2, _, _, _ = weight_scale_view("w2_scale", torch.empty(shapes[1], dtype=torch.float32, **meta), E, H,
+                                        inter, block)
+        scales = dict(w1_scale=s1, w2_scale=s2, scale_block=(bn, bk))
     topk_ids = torch.empty(M, topk, dtype=torch.int32, **meta)
     topk_weights = torch.empty(M, topk, dtype=torch.float32, **meta)
     pick = dict(backend=backend, arch=target.arch if backend == "hip" else None)
@@ -232,10 +253,14 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     # griddepcontrol needs sm_90 (the launches check the target's, also for a tuned pdl=True)
     sm90 = named.has_grid_dependency_control
     config, fused_config = (replace(c, tma=c.tma or tma, pdl=(c.pdl or pdl) and sm90) for c in (config, fused_config))
+    if fp8:
+        config, fused_config = (fit_fp8_config(c, x.element_size(), named.shared_memory) for c in (config, fused_config))
     pdl = fused_config.pdl
-    problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk)
+    problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk, **scales)
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
+    if fp8:
+        common["fp8"] = {"scheme": fp8, "weight_dtype": str(weight_dtype).replace("torch.", "")}
     reports = []
 
     def sort_reports(name, sorting, **lora_args):
@@ -299,7 +324,11 @@ def main(argv=None) -> int:
     parser.add_argument("--num-loras", type=int, default=4, help="adapters with --lora-rank (default 4)")
     parser.add_argument("--tma", action="store_true", help="configs with tma=True (tensor-descriptor weight loads)")
     parser.add_argument("--pdl", action="store_true", help="configs with pdl=True (programmatic dependent launch)")
+    parser.add_argument("--fp8", default="", choices=("",) + FP8_SCHEMES,
+                        help="fp8 weights with scales of this scheme (block-wise: 128 x 128); --dtype is the activations'")
     a = parser.parse_args(argv)
+    if a.fp8 and a.lora_rank:
+        parser.error("--fp8 does not take --lora-rank: fp8 weights take no LoRA adapters yet")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     if a.shape in SHAPES:
@@ -316,7 +345,7 @@ def main(argv=None) -> int:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
         for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
-                                     a.num_loras, a.tma, a.pdl):
+                                     a.num_loras, a.tma, a.pdl, a.fp8):
             print(json.dumps(report))
     return 0
 

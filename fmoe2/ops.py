@@ -31,7 +31,7 @@ _LIB.define(
     "Tensor? expert_map, str path, str config, int prepared_hidden_size, int prepared_intermediate_size, "
     "Tensor? lora_a13, Tensor? lora_b13, Tensor? lora_a2, Tensor? lora_b2, Tensor? lora_scaling, int lora_rank, "
     "Tensor? token_lora_ids, Tensor? w1_bias, Tensor? w2_bias, bool gate_up_interleaved, float swiglu_alpha, "
-    "float? swiglu_limit) -> Tensor")
+    "float? swiglu_limit, Tensor? w1_scale=None, Tensor? w2_scale=None, int[]? block_shape=None) -> Tensor")
 _LIB.define(
     "moe_sorting(Tensor topk_ids, Tensor topk_weights, int num_experts, int block_m, Tensor(a!)? out, "
     "Tensor? expert_map) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
@@ -40,12 +40,14 @@ _LIB.define(
 def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, path, config,
                     prepared_hidden_size, prepared_intermediate_size, lora_a13, lora_b13, lora_a2, lora_b2,
                     lora_scaling, lora_rank, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha,
-                    swiglu_limit):
+                    swiglu_limit, w1_scale=None, w2_scale=None, block_shape=None):
     from .gemm.fused_moe import fused_moe
 
-    if prepared_intermediate_size:  # prepared weights: their biases travel as w1_bias / w2_bias
-        w1, w2 = PreparedMoEWeights(w1, w2, prepared_hidden_size, prepared_intermediate_size, w1_bias, w2_bias), None
-        w1_bias = w2_bias = None
+    block_shape = tuple(block_shape) if block_shape is not None else None
+    if prepared_intermediate_size:  # prepared weights: their biases and scales travel as w1_bias ... block_shape
+        w1, w2 = PreparedMoEWeights(w1, w2, prepared_hidden_size, prepared_intermediate_size, w1_bias, w2_bias,
+                                    w1_scale, w2_scale, block_shape), None
+        w1_bias = w2_bias = w1_scale = w2_scale = block_shape = None
     lora = None
     if lora_a13 is not None:
         lora = PreparedMoELoRA(lora_a13, lora_b13, lora_a2, lora_b2, lora_scaling, lora_rank,
@@ -53,7 +55,8 @@ def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, e
     return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, expert_map=expert_map,
                      config=FusedMoEConfig.from_dict(json.loads(config)) if config else None, path=path, lora=lora,
                      token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
-                     gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                     gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                     w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape)
 
 
 def _fused_moe_fake(hidden_states, *args):
@@ -92,15 +95,17 @@ torch.library.register_fake("fmoe2::moe_sorting", _moe_sorting_fake, lib=_LIB)
 def fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
                       config: Optional[FusedMoEConfig] = None, path="auto", lora=None, token_lora_ids=None,
                       w1_bias=None, w2_bias=None, gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA,
-                      swiglu_limit=None):
+                      swiglu_limit=None, w1_scale=None, w2_scale=None, block_shape=None):
     """``fmoe2.fused_moe``'s arguments passed to ``torch.ops.fmoe2.fused_moe`` (what it runs while
     ``torch.compile`` traces it); ``out`` is then filled by a copy."""
     prepared_h = prepared_i = 0
     if isinstance(w1, PreparedMoEWeights):
-        if w1_bias is not None or w2_bias is not None:  # the op's impl would pass them on as the prepared ones
-            raise ValueError("w1_bias/w2_bias go with plain weights; prepared weights carry their biases "
-                             "(fmoe2.prepare_weights(w1, w2, w1_bias=..., w2_bias=...))")
+        if any(t is not None for t in (w1_bias, w2_bias, w1_scale, w2_scale, block_shape)):
+            # (the op's impl would pass them on as the prepared ones)
+            raise ValueError("w1_bias/w2_bias/w1_scale/w2_scale/block_shape go with plain weights; prepared weights "
+                             "carry theirs (fmoe2.prepare_weights(w1, w2, w1_bias=..., w1_scale=..., ...))")
         prepared_h, prepared_i = w1.hidden_size, w1.intermediate_size
+        w1_scale, w2_scale, block_shape = w1.s13, w1.s2, w1.scale_block
         w1, w2, w1_bias, w2_bias = w1.w13, w1.w2, w1.b13, w1.b2
     lora_tensors, lora_rank = (None,) * 5, 0
     if lora is not None:
@@ -110,7 +115,8 @@ def fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, *, activati
                                        config.to_json() if config is not None else "", prepared_h, prepared_i,
                                        *lora_tensors, lora_rank, token_lora_ids, w1_bias, w2_bias,
                                        gate_up_interleaved, float(swiglu_alpha),
-                                       float(swiglu_limit) if swiglu_limit is not None else None)
+                                       float(swiglu_limit) if swiglu_limit is not None else None, w1_scale, w2_scale,
+                                       list(block_shape) if block_shape is not None else None)
     if out is None:
         return result
     out.copy_(result)

@@ -69,18 +69,33 @@ def moe_sorting_reference(
     return per_expert, (num_kept // block_m + min(num_experts, num_kept)) * block_m
 
 
-def _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved):
-    """``(w1 [E, 2I, H] gate rows then up rows, w2 [E, H, I], w1_bias [E, 2I] gate then up, w2_bias)`` of
-    either weight form."""
-    from .gemm.layout import PreparedMoEWeights
+def _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved, w1_scale=None, w2_scale=None, block_shape=None):
+    """``(w1 [E, 2I, H] gate rows then up rows, w2 [E, H, I], w1_bias [E, 2I] gate then up, w2_bias, fp8)`` of
+    either weight form; ``fp8``: ``(w1 scale view, w2 scale view, block shape)`` of fp8 weights, else None."""
+    from .gemm.layout import PreparedMoEWeights, checked_weight_scales
 
     if isinstance(w1, PreparedMoEWeights):
+        s13, s2, scale_block = w1.s13, w1.s2, w1.scale_block
         (w1, w2), (w1_bias, w2_bias) = w1.unprepare(), w1.unprepare_biases()
-    elif gate_up_interleaved:  # rows g0, u0, g1, u1, ...
-        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
-        if w1_bias is not None:
-            w1_bias = torch.cat([w1_bias[:, 0::2], w1_bias[:, 1::2]], dim=1)
-    return w1, w2, w1_bias, w2_bias
+    else:
+        s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)
+        if gate_up_interleaved:  # rows g0, u0, g1, u1, ...
+            w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
+            if w1_bias is not None:
+                w1_bias = torch.cat([w1_bias[:, 0::2], w1_bias[:, 1::2]], dim=1)
+    fp8 = (s13, s2, scale_block) if s13 is not None else None
+    return w1, w2, w1_bias, w2_bias, fp8
+
+
+def _expert_weight(w, e, fp8, which, compute):
+    """Expert ``e`` of ``w`` in ``compute`` dtype, dequantized one expert at a time (a whole fp8 layer in
+    float32 would not fit: DeepSeek-V3's w1 takes 30 GB)."""
+    if fp8 is None:
+        return w[e].to(compute)
+    from .fp8 import dequantize_weights
+
+    scale, block = fp8[which], fp8[2]
+    return dequantize_weights(w[e:e + 1], scale[e:e + 1], *block)[0].to(compute)
 
 
 def fused_moe_reference(
@@ -100,9 +115,16 @@ def fused_moe_reference(
     gate_up_interleaved: bool = False,
     swiglu_alpha: float = SWIGLU_ALPHA,
     swiglu_limit: Optional[float] = None,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    block_shape: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k w[t,k] * (act(x_t Wg_e^T + bg_e, x_t Wu_e^T + bu_e) Wd_e^T + bd_e)`` with
     ``e = topk_ids[t,k]`` (``act``: :func:`gated_activation`; biases zero when not given).
+
+    fp8 weights (with ``w1_scale``/``w2_scale``, or prepared): the weights dequantized, and the
+    activations quantized as the kernels do (``fmoe2/fp8.py``): ``x`` per token and group of 128
+    along H; the intermediate after the routing weight, rounded to the input dtype, along I.
 
     With ``lora`` (:class:`fmoe2.MoELoRA` or its prepared form) and ``token_lora_ids`` ``[M]``,
     a token with adapter ``l`` in ``[0, max_loras)`` adds ``s_l * (v A[l,e]^T) B[l,e]^T`` to each
@@ -112,9 +134,15 @@ def fused_moe_reference(
     Computes in float32, or float64 when ``hidden_states`` is float64, and returns
     ``[M, H]`` in ``hidden_states.dtype`` (written into ``out`` when given).
     """
-    w1, w2, w1_bias, w2_bias = _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved)
+    w1, w2, w1_bias, w2_bias, fp8 = _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved, w1_scale, w2_scale,
+                                                   block_shape)
     compute = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
     x = hidden_states.to(compute)
+    fp8_dtype = w1.dtype if fp8 is not None else None
+    if fp8 is not None:
+        from .fp8 import fake_quantize_activations
+
+        x = fake_quantize_activations(x, fp8_dtype).to(compute)
     E, two_i, _ = w1.shape
     inter = two_i // 2
     ids = local_expert_ids(topk_ids, E, expert_map)
@@ -141,7 +169,7 @@ def fused_moe_reference(
         token, slot = torch.nonzero(ids == e, as_tuple=True)
         if token.numel() == 0:
             continue
-        w1e = w1[e].to(compute)
+        w1e = _expert_weight(w1, e, fp8, 0, compute)
         xe = x[token]
         gate = xe @ w1e[:inter].T
         up = xe @ w1e[inter:].T
@@ -152,12 +180,20 @@ def fused_moe_reference(
             gate = gate + lora_delta(xe, token, lora.gate_a, lora.gate_b, e)
             up = up + lora_delta(xe, token, lora.up_a, lora.up_b, e)
         y = gated_activation(gate, up, activation, swiglu_alpha, swiglu_limit)
+        routing = topk_weights[token, slot].to(compute)[:, None]
+        if fp8 is not None:  # the kernels quantize y after its routing weight, rounded to the input dtype
+            y = fake_quantize_activations((y.float() * routing.float()).to(hidden_states.dtype), fp8_dtype).to(compute)
+            down = y @ _expert_weight(w2, e, fp8, 1, compute).T
+            if w2_bias is not None:
+                down = down + routing * w2_bias[e].to(compute)
+            result.index_add_(0, token, down)
+            continue
         down = y @ w2[e].to(compute).T
         if w2_bias is not None:
             down = down + w2_bias[e].to(compute)
         if lora is not None:
             down = down + lora_delta(y, token, lora.down_a, lora.down_b, e)
-        contrib = down * topk_weights[token, slot].to(compute)[:, None]
+        contrib = down * routing
         result.index_add_(0, token, contrib)
     result = result.to(hidden_states.dtype)
     if out is not None:

@@ -11,6 +11,7 @@ SHAPES = {
 }
 MORE_SHAPES = {
     "gpt-oss-20b": (32, 2880, 2880, 4),
+    "deepseek-v3": (256, 7168, 2048, 8),
 }
 ALL_SHAPES = {**SHAPES, **MORE_SHAPES}
 # biases: gate/up and down biases; the rest are fused_moe keyword arguments.

@@ -46,6 +46,16 @@ class Target:
         return not self.interpreter and self.cuda_arch is not None and self.cuda_arch >= 90
 
     @property
+    def fp8_dtypes(self) -> tuple:
+        """The fp8 weight dtypes its matrix instructions take: e4m3fn on CUDA sm_89 and newer and on
+        gfx950, e4m3fnuz on gfx942 (MI300), none on older GPUs; the interpreter takes both."""
+        if self.interpreter:
+            return (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+        if self.cuda_arch is not None:
+            return (torch.float8_e4m3fn,) if self.cuda_arch >= 89 else ()
+        return {"gfx942": (torch.float8_e4m3fnuz,), "gfx950": (torch.float8_e4m3fn,)}.get(self.arch, ())
+
+    @property
     def pre_hopper_cuda(self) -> bool:
         """A CUDA GPU older than sm_90 (no wgmma, no bulk tensor copies, CAS-loop bf16 atomics)."""
         return self.cuda_arch is not None and self.cuda_arch < 90

@@ -3,6 +3,7 @@
     python -m fmoe2.bench [--shapes mixtral-8x7b,qwen3-30b-a3b,deepseek-v2-lite | --shape E,H,I,topk]
                           [--m 1,16,128,1024,4096] [--no-search] [--update] [--out-dir misc/bench]
     python -m fmoe2.bench --lora [--rank 16] [--num-loras 4] [--search]     (see fmoe2/bench/lora.py)
+    python -m fmoe2.bench --dtype fp8 [--scheme block|channel|tensor]       (see fmoe2/bench/fp8.py)
 
 Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
 get their best config from the same grid of tiles, warps and stages (``fmoe2/bench/search.py``;
@@ -183,7 +184,9 @@ def write_results(path: str, result: dict, update: bool = False) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fmoe2.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(ALL_SHAPES)}")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated names from {sorted(ALL_SHAPES)} (default: {','.join(SHAPES)}; with "
+                        f"--dtype fp8 also deepseek-v3)")
     p.add_argument("--shape", default=None, help="a custom shape E,H,I,topk (replaces --shapes)")
     p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
     p.add_argument("--no-search", action="store_true", help="use default configs instead of searching")
@@ -198,9 +201,20 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank with --lora")
     p.add_argument("--num-loras", type=int, default=4, help="adapters with --lora")
     p.add_argument("--search", action="store_true", help="with --lora: search fmoe2's config (either path) for LoRA")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
+                   help="fp8: fp8 weights against the vLLM-style fp8 baseline and fmoe2's bf16 (fmoe2/bench/fp8.py; "
+                        "default shapes then add deepseek-v3)")
+    p.add_argument("--scheme", default="block", choices=("block", "channel", "tensor"),
+                   help="fp8 weight scales with --dtype fp8 (block: 128 x 128)")
     p.add_argument("--host", action="store_true",
                    help="host cost per call instead (python -m fmoe2.bench.host; --shapes, --out-dir apply)")
     a = p.parse_args(argv)
+    if a.shapes is None:
+        a.shapes = ",".join(SHAPES)
+        if a.dtype == "fp8":
+            from .fp8 import FP8_SHAPES
+
+            a.shapes = ",".join(FP8_SHAPES)
     if a.host:
         from .host import main as host_main
 
@@ -229,6 +243,15 @@ def main(argv=None) -> int:
                 ceilings=ceilings)
     print(f"{device}: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    if a.dtype == "fp8":
+        from .fp8 import run_fp8_bench
+
+        if a.lora:
+            p.error("--dtype fp8 does not take --lora: fp8 weights take no adapters yet")
+        if a.shape:
+            p.error("--dtype fp8 runs named shapes (--shapes)")
+        print(run_fp8_bench(list(shapes), ms, a.scheme, a.out_dir, ceilings, gen, argv))
+        return 0
     if a.lora:
         from .lora import bench_lora_shape, write_lora_report
 

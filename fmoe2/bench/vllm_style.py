@@ -6,7 +6,9 @@
       -> grouped GEMM2 x routed weight into cache3 [M, topk, H]
       -> sum over top-k into out [M, H]                      (one kernel)
 
-Five launches and three intermediate buffers. The align step is fmoe2's sorting kernel with
+Five launches and three intermediate buffers. With fp8 weights (:func:`vllm_style_fused_experts_fp8`)
+two more: the activations are quantized per token and group of 128 by a separate kernel before
+each GEMM (vLLM's ``per_token_group_quant_fp8``), and the GEMMs read fp8 A and B with their scales. The align step is fmoe2's sorting kernel with
 ``EXPANDED_IDS`` (same cost model as vLLM's single-kernel align, no output zeroing); the GEMM is a
 grouped GEMM over (expert tile, N block) programs in grouped launch order, like vLLM's
 ``fused_moe_kernel`` (``fmoe2/gemm/grouped_gemm_kernel.py``, shared with fmoe2's two-stage path). Its configs are picked from the same kind of search space as fmoe2's.
@@ -19,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import FP8_GROUP, _quantize_rows, fp8_constexprs
 from ..gemm.fused_moe_kernel import _gated_activation
 from ..gemm.grouped_gemm_kernel import _grouped_gemm_kernel
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
@@ -72,17 +75,58 @@ def _topk_sum_kernel(
     tl.store(out_ptr + row * H + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+@triton.jit
+def _per_token_group_quant_kernel(
+    v_ptr,  # [R, K] 16-bit
+    q_ptr,  # [R, K] fp8
+    scale_ptr,  # [R, cdiv(K, GROUP)] float32
+    K,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    SOFT_FP8_ROUNDING: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUBNORMAL_STEP: tl.constexpr,
+):
+    """Grid: (R, cdiv(K, GROUP)); one group of one row, quantized as fmoe2's kernels do (fmoe2/fp8.py)."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    valid = offs < K
+    v = tl.load(v_ptr + row * K + offs, mask=valid, other=0.0).to(tl.float32)
+    scaled, scale = _quantize_rows(v[None, :], FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+    tl.store(q_ptr + row * K + offs[None, :], scaled.to(q_ptr.dtype.element_ty), mask=valid[None, :])
+    tl.store(scale_ptr + row * tl.cdiv(K, GROUP) + group + tl.arange(0, 1), scale)
+
+
+def per_token_group_quant(v: torch.Tensor, fp8_dtype: torch.dtype):
+    """``(q [R, K] fp8, scale [R, cdiv(K, 128)] float32)`` of 16-bit rows ``v``, one launch."""
+    R, K = v.shape
+    q = torch.empty(R, K, dtype=fp8_dtype, device=v.device)
+    scale = torch.empty(R, triton.cdiv(K, FP8_GROUP), dtype=torch.float32, device=v.device)
+    consts = fp8_constexprs(fp8_dtype, interpreter=v.device.type != "cuda")
+    _per_token_group_quant_kernel[(R, triton.cdiv(K, FP8_GROUP))](
+        v, q, scale, K, GROUP=FP8_GROUP, FP8_MAX=consts["FP8_MAX"], SOFT_FP8_ROUNDING=consts["SOFT_FP8_ROUNDING"],
+        FP8_MIN_NORMAL=consts["FP8_MIN_NORMAL"], FP8_SUBNORMAL_STEP=consts["FP8_SUBNORMAL_STEP"])
+    return q, scale
+
+
 def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, cfg: GroupedGemmConfig,
-                  bias=None):
+                  bias=None, a_scale=None, b_scale=None, scale_block=None):
     E, N, K = b.shape
     num_grid_tiles = max_busy_tiles(num_entries, E, cfg.BLOCK_M)
     grid = (num_grid_tiles * triton.cdiv(N, cfg.BLOCK_N),)
     bias_args = dict(bias_ptr=bias, stride_bias_e=bias.stride(0), HAS_BIAS=True) if bias is not None else {}
+    fp8_args = {}
+    if a_scale is not None:  # fp8 A (quantized beforehand) and B with their scales
+        strides = [st if size > 1 else 0 for size, st in zip(b_scale.shape, b_scale.stride())]
+        fp8_args = dict(a_scale_ptr=a_scale, stride_as_m=a_scale.stride(0), b_scale_ptr=b_scale,
+                        stride_bs_e=strides[0], stride_bs_n=strides[1], stride_bs_k=strides[2], A_FP8=2,
+                        SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1])
     _grouped_gemm_kernel[grid](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights,
         None, None, 0, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         GATHER_A=True, A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=False,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, stride_b_k=b.stride(2), **bias_args,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, stride_b_k=b.stride(2), **bias_args, **fp8_args,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -125,6 +169,43 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
     _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2, w2_bias)
     if lora is not None:
         lora_steps.down(cache2, cache3.view(num_entries, H))
+    out = torch.empty_like(x)
+    sum_block = min(1024, triton.next_power_of_2(H))
+    _topk_sum_kernel[(M, triton.cdiv(H, sum_block))](cache3, out, H, TOPK=topk, BLOCK=sum_block)
+    return out
+
+
+def vllm_style_fused_experts_fp8(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGemmConfig,
+                                 gemm2: GroupedGemmConfig, w1_scale, w2_scale, block_shape=None,
+                                 activation: str = "silu") -> torch.Tensor:
+    """The unfused baseline with fp8 weights (``fmoe2/fp8.py``'s schemes): seven launches, the
+    activations quantized by their own kernel before each GEMM. Configs' BLOCK_K must be 128 (one
+    activation group per K step, as vLLM's block-scaled configs use)."""
+    from ..gemm.layout import checked_weight_scales
+
+    if gemm1.BLOCK_M != gemm2.BLOCK_M or FP8_GROUP not in (gemm1.BLOCK_K, gemm2.BLOCK_K) or gemm1.BLOCK_K != gemm2.BLOCK_K:
+        raise ValueError(f"gemm configs must share BLOCK_M and have BLOCK_K={FP8_GROUP}")
+    s1, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape)
+    M, H = x.shape
+    E, two_i, _ = w1.shape
+    inter = two_i // 2
+    topk = topk_ids.shape[1]
+    num_entries = M * topk
+    sorting = MoESortingResult.allocate(num_entries, E, gemm1.BLOCK_M, M, x.device, chunk_size=0)
+    launch_moe_sorting(topk_ids, topk_weights, E, None, sorting, None, expanded_ids=True)
+    weights = topk_weights.reshape(-1).float()
+    qx, sx = per_token_group_quant(x, w1.dtype)
+    cache1 = torch.empty(num_entries, two_i, dtype=x.dtype, device=x.device)
+    cache2 = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
+    cache3 = torch.empty(M, topk, H, dtype=x.dtype, device=x.device)
+    _grouped_gemm(qx, w1, cache1, sorting, weights, num_entries, topk, False, gemm1, a_scale=sx, b_scale=s1,
+                  scale_block=scale_block)
+    act_block = min(1024, triton.next_power_of_2(inter))
+    _gated_activation_kernel[(num_entries, triton.cdiv(inter, act_block))](cache1, cache2, inter, ACTIVATION=activation,
+                                                                           BLOCK=act_block)
+    q2, sy = per_token_group_quant(cache2, w1.dtype)
+    _grouped_gemm(q2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2, a_scale=sy,
+                  b_scale=s2, scale_block=scale_block)
     out = torch.empty_like(x)
     sum_block = min(1024, triton.next_power_of_2(H))
     _topk_sum_kernel[(M, triton.cdiv(H, sum_block))](cache3, out, H, TOPK=topk, BLOCK=sum_block)

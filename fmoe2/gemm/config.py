@@ -33,6 +33,7 @@ from typing import Dict, Optional
 import torch
 import triton
 
+from ..fp8 import FP8_GROUP
 from ..target import DEFAULT_SHARED_MEMORY, current_backend, target_of
 from ..sorting import max_busy_tiles
 
@@ -53,6 +54,8 @@ PIPELINE_ELEMENTS = {"cuda": 3 * 32768, "hip": 2 * 16384}
 MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
+FP8_MAX_ACC = MAX_FUSED_ACC // 2  # the same with fp8 weights (fit_fp8_config)
+FP8_MAX_FUSED_ATOMIC_ADDS = 64  # per output element, for fp8 on the fused path (fp8_prefers_two_stage)
 # With adapters, the two stages compute the deltas themselves (no LoRA launches) up to this many routed rows
 # per expert (M*topk/E), LoRA launches run beyond (lora_in_stages). Measurements and the rule in full:
 # docs/lora.md#deltas-in-the-stages-up-to-1-row-per-expert
@@ -339,6 +342,62 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
                   num_warps=num_warps, num_stages=num_stages,
                   S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=s2_block_k, S2_SPLIT_K=s2_split_k)
     return fit_shared_memory(cfg, dtype.itemsize, shared_memory)
+
+
+def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAULT_SHARED_MEMORY) -> FusedMoEConfig:
+    """A (fitted) config made fit for fp8 weights (``fmoe2/fp8.py``): every K step one activation
+    quantization group (BLOCK_K = S2_BLOCK_K = FP8_GROUP), and on the fused path each slice one group
+    of the intermediate (BLOCK_N = FP8_GROUP), so a step's scales are one per row and weight row;
+    pointer loads (``tma`` off). The widened accumulator keeps to ``MAX_FUSED_ACC`` elements and
+    ``MAX_ACC_REGS`` registers per thread, the down tile to ``MAX_DOWN_TILE``; stages, then BLOCK_M,
+    come down until the gate/up loop (fp8 weight tile, x tile of ``x_bytes`` per element) fits
+    ``shared_memory``. Not tuned yet: the 16-bit pick's other choices are kept."""
+    group = FP8_GROUP
+    block_m, block_n, num_warps = cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps
+    block_h, s2_block_n = cfg.BLOCK_H, cfg.S2_BLOCK_N
+    if cfg.path == "fused":
+        block_n = group
+        block_h = max(16, min(block_h, MAX_DOWN_TILE // block_n))
+    # Each step also holds the x (or y) tile in registers to quantize it: half the 16-bit accumulator budget
+    # (at the full budget, 128 x 256 spilled 537 instructions on sm_90).
+    while block_m > 16 and block_m * 2 * block_n > FP8_MAX_ACC:
+        block_m //= 2
+    while s2_block_n > 16 and block_m * s2_block_n > FP8_MAX_ACC:
+        s2_block_n //= 2
+    num_warps = max(num_warps, min(8, block_m * 2 * block_n // (32 * MAX_ACC_REGS)))
+    s2_num_warps = max(cfg.s2_num_warps, min(8, block_m * s2_block_n // (32 * MAX_ACC_REGS)))
+    stages = cfg.num_stages
+
+    def gate_up_bytes(st, bm):
+        return pipelined_loop_bytes(st, bm * group, x_bytes) + pipelined_loop_bytes(st, 2 * block_n * group, 1)
+
+    while gate_up_bytes(stages, block_m) > shared_memory and stages > 2:
+        stages -= 1
+    while gate_up_bytes(stages, block_m) > shared_memory and block_m > 16:
+        block_m //= 2
+    s2_stages = cfg.s2_num_stages
+    while pipelined_loop_bytes(s2_stages, (block_m * x_bytes + s2_block_n) * group, 1) > shared_memory \
+            and s2_stages > 2:
+        s2_stages -= 1
+    return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group, BLOCK_H=block_h, num_warps=num_warps,
+                   num_stages=stages, S2_BLOCK_N=s2_block_n, S2_BLOCK_K=group, s2_num_warps=s2_num_warps,
+                   s2_num_stages=s2_stages, tma=False)
+
+
+def fp8_prefers_two_stage(fitted: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:
+    """Whether an fp8 forward left to ``path="auto"`` takes the two-stage path: unless the fused path
+    adds at most ``FP8_MAX_FUSED_ATOMIC_ADDS`` partial results into each output element (``topk *
+    ceil(I / 128)``: fp8 slices are one 128-column activation group) and its grid (``fitted``, a
+    fused fp8 config) is beyond one wave (:func:`fused_grid_fits_one_wave`). Measured on the H100
+    (2026-11-25, block-wise scales, misc/bench/fp8): each bf16 atomic add rounds, so the fused path's
+    error against the same-quantization reference grew with their number (48 adds, Qwen3: 0.85-0.97%;
+    66, DeepSeek-V2-Lite: 0.98-1.1%; 128, DeepSeek-V3: 1.3-1.4%; 224, Mixtral: 1.8%) while the two-stage
+    path's stayed at 0.4-0.6%; within one wave the two-stage path's narrower stage-1 slices were faster
+    (Qwen3 M=1: 24.6 us against 35.2). Qwen3 from M=16 on kept the fused path's speed (M=1024: 490 us
+    against 702 two-stage)."""
+    adds = topk * triton.cdiv(I, FP8_GROUP)
+    return adds > FP8_MAX_FUSED_ATOMIC_ADDS or fused_grid_fits_one_wave(replace(fitted, path="fused"), M, E, I, topk,
+                                                                         num_sms)
 
 
 def pipelined_loop_bytes(stages: int, tile_elements: int, element_bytes: int) -> int:

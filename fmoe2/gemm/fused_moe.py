@@ -11,7 +11,7 @@ Under ``torch.compile`` the call is the registered op ``torch.ops.fmoe2.fused_mo
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -19,9 +19,11 @@ from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_sam
 from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..reference import ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
-from .config import PATHS, FusedMoEConfig, fit_config, fit_lora_config_to_problem, get_config
+from ..fp8 import FP8_DTYPES
+from .config import (PATHS, FusedMoEConfig, fit_config, fit_fp8_config, fit_lora_config_to_problem, fp8_prefers_two_stage,
+                     get_config)
 from .launches import MoEProblem
-from .layout import PreparedMoEWeights
+from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
 from .plan import OUT_SOURCE, MoEPlan, build_plan
 
@@ -47,6 +49,9 @@ def fused_moe(
     gate_up_interleaved: bool = False,
     swiglu_alpha: float = SWIGLU_ALPHA,
     swiglu_limit: Optional[float] = None,
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+    block_shape: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
     """MoE forward in two launches and no intermediate buffer (or three, with the two-stage path).
 
@@ -82,6 +87,12 @@ def fused_moe(
             instead of all gate rows then all up rows.
         swiglu_alpha: swiglu_oai's alpha. swiglu_limit: None, or (silu and swiglu_oai) clamp gate to
             at most it and up to ``[-limit, limit]`` before the activation (gpt-oss: 7.0).
+        w1_scale, w2_scale: float32 scales of fp8 ``w1``/``w2`` (``float8_e4m3fn``; ``e4m3fnuz`` on
+            gfx942): block-wise ``[E, cdiv(N, bn), cdiv(K, bk)]`` with ``block_shape=(bn, bk)`` (bk a
+            multiple of 128; DeepSeek-V3: (128, 128)), per channel ``[E, N]`` or per expert ``[E]``
+            (N, K: 2I, H for w1; H, I for w2). Activations are quantized to fp8 inside the kernels
+            (per token and group of 128, ``fmoe2/fp8.py``); the output keeps the input dtype.
+            Prepared fp8 weights carry their scales. Not with ``lora``.
 
     Returns:
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
@@ -99,9 +110,11 @@ def fused_moe(
                                  expert_map=expert_map, config=config, path=path, lora=lora,
                                  token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
                                  gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
-                                 swiglu_limit=swiglu_limit)
+                                 swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale,
+                                 block_shape=block_shape)
     call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
-                    token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit)
+                    token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit, w1_scale,
+                    w2_scale, block_shape)
     plan = PLANS.get(call[0]) if call is not None else None
     if plan is not None and plan.launches is not None and direct_launches():
         sources = call[1]
@@ -115,7 +128,7 @@ def fused_moe(
     return run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
                        lora, token_lora_ids, call[0] if call is not None else None, plan, w1_bias=w1_bias,
                        w2_bias=w2_bias, gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
-                       swiglu_limit=swiglu_limit)
+                       swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +190,8 @@ def check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared):
 
 def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
                          path="auto", lora=None, token_lora_ids=None, *, w1_bias=None, w2_bias=None,
-                         gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=None) -> MoEProblem:
+                         gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=None, w1_scale=None,
+                         w2_scale=None, block_shape=None) -> MoEProblem:
     """Validates every argument of :func:`fused_moe` on the host; raises TypeError/ValueError."""
     check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
     M, H = hidden_states.shape
@@ -185,7 +199,10 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     if isinstance(w1, PreparedMoEWeights):
         if w2 is not None:
             raise ValueError("w2 must be None when w1 is a PreparedMoEWeights (it already holds the down weights)")
-        if w1.dtype != dtype:
+        if w1_scale is not None or w2_scale is not None or block_shape is not None:
+            raise ValueError("w1_scale/w2_scale/block_shape go with plain fp8 weights; prepared weights carry their "
+                             "scales (fmoe2.prepare_weights(w1, w2, w1_scale=..., w2_scale=..., block_shape=...))")
+        if w1.dtype != dtype and not w1.fp8:
             raise TypeError(f"prepared weights have dtype {w1.dtype} but hidden_states has {dtype}")
         if w1.hidden_size != H:
             raise ValueError(f"prepared weights have hidden size {w1.hidden_size} but hidden_states has H={H}")
@@ -193,8 +210,12 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
             raise ValueError("gate_up_interleaved describes plain weights; prepared weights are interleaved already")
         E, inter = w1.num_experts, w1.intermediate_size
         w1_t, w2_t, interleaved = w1.w13, w1.w2, True
-        check_tensor("w1.w13", w1_t, ndim=3, dtypes=(dtype,), shape_doc="[E, 2*I_pad, H_pad]")
-        check_tensor("w1.w2", w2_t, ndim=3, dtypes=(dtype,), shape_doc="[E, H_pad, I_pad]")
+        s13, s2, scale_block = w1.s13, w1.s2, w1.scale_block
+        check_tensor("w1.w13", w1_t, ndim=3, dtypes=(w1.dtype,), shape_doc="[E, 2*I_pad, H_pad]")
+        check_tensor("w1.w2", w2_t, ndim=3, dtypes=(w1.dtype,), shape_doc="[E, H_pad, I_pad]")
+        if w1.fp8 != (w1.dtype in FP8_DTYPES):
+            raise ValueError(f"prepared weights of dtype {w1.dtype} {'lack' if not w1.fp8 else 'must not have'} "
+                             f"scales (prepare fp8 weights with their w1_scale/w2_scale)")
         if (w1_t.shape[1] % 2 or w1_t.shape[1] < 2 * inter or w1_t.shape[2] < H or w2_t.shape[0] != E
                 or w2_t.shape[1] < H or w2_t.shape[2] < inter):
             raise ValueError(f"prepared weights are inconsistent with H={H}, I={inter}, E={E}: w13 "
@@ -207,16 +228,18 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         w1_bias, w2_bias = w1.b13, w1.b2
     else:
         # Any strides: transposed layouts (transformers' gpt-oss stores [E, H, 2I]) are read in place.
-        check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
-        if w1.dtype != dtype:
-            raise TypeError(f"w1 must have the dtype of hidden_states ({dtype}), got {w1.dtype}")
+        check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
+        if w1.dtype != dtype and w1.dtype not in FP8_DTYPES:
+            raise TypeError(f"w1 must have the dtype of hidden_states ({dtype}) or an fp8 dtype {FP8_DTYPES}, got "
+                            f"{w1.dtype}")
         E, two_i, w1_h = w1.shape
         if two_i % 2 or w1_h != H:
             raise ValueError(f"w1 must have shape [E, 2I, H] with H={H} (gate rows then up rows, or interleaved "
                              f"with gate_up_interleaved=True), got {tuple(w1.shape)}")
         inter = two_i // 2
-        check_tensor("w2", w2, dtypes=(dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]",
+        check_tensor("w2", w2, dtypes=(w1.dtype,), shape=(E, H, inter), shape_doc=f"[E, H, I] = [{E}, {H}, {inter}]",
                      contiguous=False)
+        s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)
         check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared=False)
         w1_t, w2_t, interleaved = w1, w2, bool(gate_up_interleaved)
     if E < 1 or inter < 1 or H < 1:
@@ -243,13 +266,21 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype)
     check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
                       topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids,
-                      w1_bias=w1_bias, w2_bias=w2_bias)
+                      w1_bias=w1_bias, w2_bias=w2_bias, w1_scale=s13, w2_scale=s2)
+    if s13 is not None:
+        if lora is not None:
+            raise ValueError("lora with fp8 base weights is not supported yet: pass 16-bit weights with lora")
+        supported = target_of(hidden_states.device).fp8_dtypes
+        if w1_t.dtype not in supported:
+            raise ValueError(f"fp8 weights of dtype {w1_t.dtype} need a GPU whose matrix instructions take them "
+                             f"(CUDA sm_89 or newer and gfx950: float8_e4m3fn; gfx942: float8_e4m3fnuz); this "
+                             f"device takes {supported or 'none'}")
     # Every check has passed: only now convert unprepared adapters (allocates).
     prepared_lora = prepare_lora(lora) if lora is not None else None
     if out is not None and prepared_lora is not None:
         check_out_overlaps(out, token_lora_ids=token_lora_ids, **prepared_lora.tensors())
     return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids,
-                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit)
+                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit, s13, s2, scale_block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +293,7 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
              token_lora_ids, w1_bias=None, w2_bias=None, gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA,
-             swiglu_limit=None):
+             swiglu_limit=None, w1_scale=None, w2_scale=None, block_shape=None):
     """``(key, device addresses)`` of a call: the key holds everything the plan depends on and that
     validation checks (shapes, dtypes, strides, devices, which optional tensors are given, the
     other arguments, whether every pointer is 16-byte aligned); the addresses are the call's
@@ -276,16 +307,19 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         return None
     try:
         if type(w1) is PreparedMoEWeights:
-            if w2 is not None or w1_bias is not None or w2_bias is not None:
+            if (w2 is not None or w1_bias is not None or w2_bias is not None or w1_scale is not None
+                    or w2_scale is not None or block_shape is not None):
                 return None  # (validation names the argument)
             w1t, w2t = w1.w13, w1.w2
-            weights = (w1.hidden_size, w1.intermediate_size)
+            weights = (w1.hidden_size, w1.intermediate_size, w1.scale_block)
             w1_bias, w2_bias = w1.b13, w1.b2  # the prepared weights' own biases
+            w1_scale, w2_scale = w1.s13, w1.s2
         else:
-            w1t, w2t, weights = w1, w2, None
+            w1t, w2t = w1, w2
+            weights = None if block_shape is None else tuple(block_shape)
         x, tw, ti = hidden_states, topk_weights, topk_ids
         sources = [x.data_ptr(), w1t.data_ptr(), w2t.data_ptr(), tw.data_ptr(), ti.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
-                   0, 0]
+                   0, 0, 0, 0]
         key = (activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                # (written out: this runs on every call)
                x.shape, x.dtype, x.stride(), x.get_device(), w1t.shape, w1t.dtype, w1t.stride(), w1t.get_device(),
@@ -293,7 +327,7 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
                ti.shape, ti.dtype, ti.stride(), ti.get_device(),
                (sources[0] | sources[1] | sources[2] | sources[3] | sources[4]) % 16 == 0)
         if out is None and expert_map is None and lora is None and token_lora_ids is None and w1_bias is None \
-                and w2_bias is None:
+                and w2_bias is None and w1_scale is None and w2_scale is None:
             return key, sources
         extra = []
         if out is not None:
@@ -314,10 +348,10 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
             for i, t in enumerate((lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling)):
                 extra.extend(_tensor_key(t))
                 sources[8 + i] = t.data_ptr()
-        for i, bias in ((13, w1_bias), (14, w2_bias)):
-            if bias is not None:
-                extra.extend(_tensor_key(bias))
-                sources[i] = bias.data_ptr()
+        for i, tensor in ((13, w1_bias), (14, w2_bias), (15, w1_scale), (16, w2_scale)):
+            if tensor is not None:
+                extra.extend(_tensor_key(tensor))
+                sources[i] = tensor.data_ptr()
             else:
                 extra.append(None)
         aligned = 0
@@ -343,12 +377,27 @@ def clear_plans() -> None:
 
 
 def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
-    """The config a forward runs: ``get_config``'s pick, or the caller's fitted like one."""
+    """The config a forward runs: ``get_config``'s pick, or the caller's fitted like one (with fp8
+    weights then :func:`fit_fp8_config`, and a pick's path by :func:`fp8_prefers_two_stage`)."""
+    picked = config is None
     if config is None:
-        return get_config(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
-                          problem.topk, problem.x.dtype, device=problem.x.device, path=path,
-                          lora=problem.lora is not None)
-    return fit_given_config(config, problem, path, target)
+        config = get_config(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
+                            problem.topk, problem.x.dtype, device=problem.x.device, path=path,
+                            lora=problem.lora is not None)
+    else:
+        config = fit_given_config(config, problem, path, target)
+    if problem.fp8:
+        fitted = fit_fp8_config(config, problem.x.element_size(), target.shared_memory)
+        if not (picked and path == "auto"):
+            return fitted
+        # The path by fp8's own rule: the fused fit's grid decides it, the 16-bit pick's path does not.
+        fused = fit_fp8_config(fit_given_config(config, problem, "fused", target), problem.x.element_size(),
+                               target.shared_memory)
+        two_stage = fp8_prefers_two_stage(fused, problem.num_tokens, problem.num_experts, problem.intermediate_size,
+                                          problem.topk, target.num_sms)
+        return fit_fp8_config(fit_given_config(config, problem, "two_stage", target), problem.x.element_size(),
+                              target.shared_memory) if two_stage else fused
+    return config
 
 
 def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto",

@@ -46,6 +46,7 @@ branch at run time to the plain loops; in a batch without any (the sort's ``num_
 import triton
 import triton.language as tl
 
+from ..fp8 import _quantize_rows
 from ..grid_dependency import dependent_launch_prologue
 from .lora_kernel import (_down_shrink, _expand_gate_up, _own_rows, _own_shrink, _shrink_step, _slice_tile,
                           _split_gate_up, _stack, _tile_slots)
@@ -76,7 +77,11 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.const
 @triton.jit
 def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H, la_rows,
              la_used, w13_desc, w13_row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             GATE_UP_INTERLEAVED: tl.constexpr, WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr):
+             GATE_UP_INTERLEAVED: tl.constexpr, WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr,
+             s1_expert=None, stride_s1_n=0, stride_s1_k=0, FP8: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+             SOFT_FP8_ROUNDING: tl.constexpr = False, FP8_MIN_NORMAL: tl.constexpr = 0.015625,
+             FP8_SUBNORMAL_STEP: tl.constexpr = 0.001953125, SCALE_BLOCK_N: tl.constexpr = 1,
+             SCALE_BLOCK_K: tl.constexpr = 128):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice.
 
     ``stride_w1_k``: the weights' stride along H (1, a constant, in fmoe2's layouts; transformers'
@@ -89,11 +94,18 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded).
+
+    FP8 (fp8 weights, BLOCK_K = one activation group, ``fmoe2/fp8.py``): each x tile is quantized
+    per row, and each step's product is scaled by the rows' activation scales and the weight rows'
+    scales ``s1_expert[orig_row // SCALE_BLOCK_N, k0 // SCALE_BLOCK_K]`` (orig_row: the row in the
+    checkpoint's order, gate rows then up rows).
     """
     offs_k = tl.arange(0, BLOCK_K)
     shrink = tl.zeros([BLOCK_M, STACK], dtype=tl.float32)
     if GATE_UP_INTERLEAVED:
         w_rows = w1_expert + offs_r[:, None] * stride_w1_n
+        if FP8:  # interleaved row r is gate row r // 2 (r even) or up row r // 2 (r odd) of the checkpoint
+            s_rows = s1_expert + ((offs_r // 2 + (offs_r % 2) * I) // SCALE_BLOCK_N) * stride_s1_n
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
@@ -103,13 +115,22 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
                 b = w13_desc.load([w13_row0, k0])
             else:
                 b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            if FP8:
+                qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
+                                        FP8_SUBNORMAL_STEP)
+                sb = tl.load(s_rows + (k0 // SCALE_BLOCK_K) * stride_s1_k, mask=r_valid, other=0.0)
+                acc += tl.dot(qa.to(b.dtype), tl.trans(b)) * (sa[:, None] * sb[None, :])
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             if WITH_LORA:
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
         up_rows = gate_rows + I * stride_w1_n
+        if FP8:
+            sg_rows = s1_expert + (offs_n // SCALE_BLOCK_N) * stride_s1_n
+            su_rows = s1_expert + ((I + offs_n) // SCALE_BLOCK_N) * stride_s1_n
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
@@ -119,8 +140,18 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             bg = tl.load(gate_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
             bu = tl.load(up_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
-            gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
-            up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
+            if FP8:
+                qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
+                                        FP8_SUBNORMAL_STEP)
+                qa = qa.to(bg.dtype)
+                s_step = (k0 // SCALE_BLOCK_K) * stride_s1_k
+                sg = tl.load(sg_rows + s_step, mask=n_valid, other=0.0)
+                su = tl.load(su_rows + s_step, mask=n_valid, other=0.0)
+                gate += tl.dot(qa, tl.trans(bg)) * (sa[:, None] * sg[None, :])
+                up += tl.dot(qa, tl.trans(bu)) * (sa[:, None] * su[None, :])
+            else:
+                gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
+                up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
             if WITH_LORA:
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
     return gate, up, shrink
@@ -129,7 +160,11 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
 @triton.jit
 def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, ds_stacked, lb2_rows,
           lb2_used, w2_desc, w2_row0, slice_col0, bias2_expert, bias_weight, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-          WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr = False):
+          WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr = False,
+          s2_expert=None, stride_s2_n=0, stride_s2_k=0, FP8: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+          SOFT_FP8_ROUNDING: tl.constexpr = False, FP8_MIN_NORMAL: tl.constexpr = 0.015625,
+          FP8_SUBNORMAL_STEP: tl.constexpr = 0.001953125, SCALE_BLOCK_N: tl.constexpr = 1,
+          SCALE_BLOCK_K: tl.constexpr = 128):
     """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2t[lb2_rows]), over H in BLOCK_H chunks, atomically.
 
     With HAS_BIAS (and WITH_BASE) also ``bias_weight[row] * bias2_expert[h]``: the down bias of the rows'
@@ -140,7 +175,16 @@ def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_
     WITH_BASE=False adds only the LoRA term (further slot groups); STAGES: pipeline depth (None:
     the launch's num_stages). ``w2_desc`` (None: pointer loads): a tensor descriptor the weight
     tiles come through, at (``w2_row0 + h``, ``slice_col0``).
+
+    FP8 (fp8 weights, the slice one activation group): y is quantized per row once, and each
+    chunk's product scaled by the rows' scales and ``s2_expert[h // SCALE_BLOCK_N, slice_col0 //
+    SCALE_BLOCK_K]``.
     """
+    tl.static_assert(not (FP8 and WITH_LORA), "LoRA deltas on fp8 base weights are not supported")
+    if FP8:
+        qy, sy = _quantize_rows(y.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+        qy = qy.to(w2_expert.dtype.element_ty)
+        s2_col = s2_expert + (slice_col0 // SCALE_BLOCK_K) * stride_s2_k
     offs_h0 = tl.arange(0, BLOCK_H)
     for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         offs_h = h0 + offs_h0
@@ -151,7 +195,11 @@ def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_
             else:
                 w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :] * stride_w2_i,
                             mask=h_valid[:, None] & n_valid[None, :], other=0.0)
-            partial = tl.dot(y, tl.trans(w), input_precision="ieee")
+            if FP8:
+                s2 = tl.load(s2_col + (offs_h // SCALE_BLOCK_N) * stride_s2_n, mask=h_valid, other=0.0)
+                partial = tl.dot(qy, tl.trans(w)) * (sy[:, None] * s2[None, :])
+            else:
+                partial = tl.dot(y, tl.trans(w), input_precision="ieee")
             if HAS_BIAS:
                 b2 = tl.load(bias2_expert + offs_h, mask=h_valid, other=0.0).to(tl.float32)
                 partial += bias_weight[:, None] * b2[None, :]
@@ -184,6 +232,8 @@ def _fused_moe_kernel(
     lora_delta13_ptr,  # [num_grid_tiles * BLOCK_M, >= 2*I] (STORE_Y with HAS_LORA): gate then up LoRA deltas per row
     lora_shrink2_ptr,  # [cdiv(I, BLOCK_N), num_grid_tiles * BLOCK_M, LORA_RANK] fp32 (deltas in the stages): down
     # shrinks of each slice
+    w1_scale_ptr,  # FP8 only: [E, Sn, Sk] float32 scales of w1 in the checkpoint's row order (fmoe2/fp8.py)
+    w2_scale_ptr,  # FP8 only: [E, Sn, Sk] float32 scales of w2
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
     sorted_expert_ids_ptr,  # [max_num_tiles] int32
@@ -220,6 +270,12 @@ def _fused_moe_kernel(
     stride_lb2_l,
     stride_lb2_e,
     stride_lb2_r,
+    stride_s1_e,  # FP8 only, like the strides below (0 along a dimension of size 1)
+    stride_s1_n,
+    stride_s1_k,
+    stride_s2_e,
+    stride_s2_n,
+    stride_s2_k,
     # meta-parameters
     ACTIVATION: tl.constexpr,
     SWIGLU_ALPHA: tl.constexpr,  # swiglu_oai's alpha
@@ -240,6 +296,15 @@ def _fused_moe_kernel(
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
     LORA_STAGES: tl.constexpr,  # pipeline depth of the loops that carry adapter work (tiles without: num_stages)
     PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
+    # fp8 weights (fmoe2/fp8.py): activations quantized here per row and BLOCK_K (gate/up) or BLOCK_N (down)
+    # columns, both FP8_GROUP; SOFT_FP8_ROUNDING under the interpreter only
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    SOFT_FP8_ROUNDING: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUBNORMAL_STEP: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,  # weight rows per scale (both weights)
+    SCALE_BLOCK_K: tl.constexpr,  # weight columns per scale
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` or on a gap
     tile (expert -1) exit at once.
@@ -247,6 +312,7 @@ def _fused_moe_kernel(
     Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and
     no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
     """
+    tl.static_assert(not (FP8 and HAS_LORA), "LoRA deltas on fp8 base weights are not supported")
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's (or LoRA's) results
     if HAS_LORA:
         # Loaded with the tile's expert id: a batch without adapters then goes to the plain loops
@@ -279,6 +345,12 @@ def _fused_moe_kernel(
     x_rows = x_ptr + token[:, None] * stride_x_m
     w1_expert = w1_ptr + expert * stride_w1_e
     w2_expert = w2_ptr + expert * stride_w2_e
+    if FP8:
+        s1_expert = w1_scale_ptr + expert * stride_s1_e
+        s2_expert = w2_scale_ptr + expert * stride_s2_e
+    else:
+        s1_expert = w1_scale_ptr
+        s2_expert = w2_scale_ptr
     out_rows = out_ptr + token[:, None] * stride_out_m
     # First descriptor rows (tensor-descriptor loads only) of this program's gate/up tile and this expert's w2.
     w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
@@ -322,7 +394,8 @@ def _fused_moe_kernel(
     elif num_present == 0:  # run-time branch with LoRA: tiles without adapters run the plain loops
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
-                               False, 16, None)
+                               False, 16, None, s1_expert, stride_s1_n, stride_s1_k, FP8, FP8_MAX, SOFT_FP8_ROUNDING,
+                               FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
         if HAS_LORA and LORA_DECODE:
             # Read only on the LoRA side of the down GEMM; defined here because a value leaves a
             # run-time if only when both branches define it.
@@ -419,7 +492,8 @@ def _fused_moe_kernel(
         if num_present == 0:
             _down(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, y, offs_n, n_valid,
                   w2_desc, w2_row0, slice_id * BLOCK_N, bias2_expert, bias_weight, BLOCK_M, BLOCK_H, True, False, None,
-                  HAS_W2_BIAS)
+                  HAS_W2_BIAS, s2_expert, stride_s2_n, stride_s2_k, FP8, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
+                  FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
         else:
             # Down shrink of this slice for a slot group, t = y_slice @ A2[stack, slice]^T (each row keeps
             # its own slot's columns); its expand t @ B2t[stack, h chunk] rides the down loop.

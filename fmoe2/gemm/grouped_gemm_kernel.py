@@ -23,6 +23,7 @@ this K loop instead was slower: docs/lora.md#the-down-shrink-inside-the-stage-2-
 import triton
 import triton.language as tl
 
+from ..fp8 import _quantize_rows
 from ..grid_dependency import gdc_wait
 from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
 
@@ -85,6 +86,23 @@ def _grouped_gemm_kernel(
     row_weights_ptr=None,  # [num_grid_tiles * BLOCK_M] float32 in sorted-row order (SCALE_BIAS_BY_ROW_WEIGHT)
     HAS_BIAS: tl.constexpr = False,
     SCALE_BIAS_BY_ROW_WEIGHT: tl.constexpr = False,
+    # fp8 B (fmoe2/fp8.py): B's scales [E, Sn, Sk] (stride 0 along a dimension of size 1), the scale of
+    # B[e, n, k] at [e, n // SCALE_BLOCK_N, k // SCALE_BLOCK_K]; A_FP8 = 1: A tiles are quantized here per row
+    # (BLOCK_K = one activation group), 2: A is fp8 already with scales a_scale_ptr[A row, k // BLOCK_K]
+    # (the baseline's separate quantization launch).
+    b_scale_ptr=None,
+    stride_bs_e=0,
+    stride_bs_n=0,
+    stride_bs_k=0,
+    a_scale_ptr=None,
+    stride_as_m=0,
+    A_FP8: tl.constexpr = 0,
+    FP8_MAX: tl.constexpr = 448.0,
+    SOFT_FP8_ROUNDING: tl.constexpr = False,
+    FP8_MIN_NORMAL: tl.constexpr = 0.015625,
+    FP8_SUBNORMAL_STEP: tl.constexpr = 0.001953125,
+    SCALE_BLOCK_N: tl.constexpr = 1,
+    SCALE_BLOCK_K: tl.constexpr = 128,
 ):
     """Grid: (SPLIT_K * num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block),
     K shares slowest; programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
@@ -116,9 +134,12 @@ def _grouped_gemm_kernel(
     n_valid = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     if GATHER_A:
-        a_rows = a_ptr + (row_id // A_ROW_DIVISOR)[:, None] * stride_a_m
+        a_row = row_id // A_ROW_DIVISOR
     else:
-        a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m
+        a_row = offs_m.to(tl.int64)
+    a_rows = a_ptr + a_row[:, None] * stride_a_m
+    if A_FP8 > 0:
+        bs_rows = b_scale_ptr + expert * stride_bs_e + (offs_n // SCALE_BLOCK_N) * stride_bs_n
     b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_row0 = (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N
@@ -134,7 +155,18 @@ def _grouped_gemm_kernel(
             b = b_desc.load([b_row0, k0])
         else:
             b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        if A_FP8 > 0:
+            if A_FP8 == 1:
+                qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
+                                        FP8_SUBNORMAL_STEP)
+                qa = qa.to(b.dtype)
+            else:
+                qa = a
+                sa = tl.load(a_scale_ptr + a_row * stride_as_m + k0 // BLOCK_K, mask=row_valid, other=0.0)
+            sb = tl.load(bs_rows + (k0 // SCALE_BLOCK_K) * stride_bs_k, mask=n_valid, other=0.0)
+            acc += tl.dot(qa, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     if HAS_LORA:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
         if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):

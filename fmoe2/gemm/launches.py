@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..fp8 import FP8_GROUP, fp8_constexprs
 from ..launch import LaunchSpec
 from ..reference import SWIGLU_ALPHA
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers
@@ -48,10 +49,19 @@ class MoEProblem:
     w2_bias: Optional[torch.Tensor] = None  # [E, H(_pad)]
     swiglu_alpha: float = SWIGLU_ALPHA  # swiglu_oai's alpha (the default elsewhere)
     swiglu_limit: Optional[float] = None  # clamp of gate and up before silu / swiglu_oai
+    # fp8 weights (fmoe2/fp8.py): [E, Sn, Sk] float32 scale views of w1 (checkpoint row order) and w2, and the
+    # weights' scale block (block_n, block_k); None for 16/32-bit weights
+    w1_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
+    scale_block: Optional[Tuple[int, int]] = None
 
     @property
     def num_tokens(self) -> int:
         return self.x.shape[0]
+
+    @property
+    def fp8(self) -> bool:
+        return self.w1_scale is not None
 
 
 def grid_tiles(problem: MoEProblem, block_m: int) -> int:
@@ -125,8 +135,9 @@ def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, target: Target) -> 
     weights (rows padded to 16 bytes, as descriptors need) on CUDA. Triton lowers descriptors to the
     bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
     load compiled to 2-byte loads, so HIP keeps its pointer loads. fp32 (a testing dtype) keeps
-    pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90."""
-    return (config.tma and target.backend == "cuda" and problem.gate_up_interleaved
+    pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90.
+    fp8 weights keep pointer loads (descriptors not measured with them yet)."""
+    return (config.tma and target.backend == "cuda" and problem.gate_up_interleaved and not problem.fp8
             and problem.x.dtype in (torch.bfloat16, torch.float16)
             and problem.w1.is_contiguous() and problem.w2.is_contiguous())
 
@@ -247,6 +258,27 @@ def _lora_args(problem: MoEProblem) -> dict:
     return args
 
 
+def _scale_strides(scale: torch.Tensor) -> Tuple[int, int, int]:
+    """Strides of an ``[E, Sn, Sk]`` scale view as the kernels read it: 0 along a dimension of size 1."""
+    return tuple(st if size > 1 else 0 for size, st in zip(scale.shape, scale.stride()))
+
+
+def fp8_launch_values(problem: MoEProblem, target: Target) -> Tuple[dict, dict]:
+    """``(args, constexprs)`` of the fused kernel's fp8 parameters (scale pointers and strides; FP8 and
+    its constants): None pointers and FP8=False for 16/32-bit weights."""
+    constexprs = fp8_constexprs(problem.w1.dtype, target.interpreter)
+    if not problem.fp8:
+        args = dict(w1_scale_ptr=None, w2_scale_ptr=None)
+        for name in ("s1", "s2"):
+            args.update({f"stride_{name}_{d}": None for d in "enk"})
+        return args, dict(constexprs, SCALE_BLOCK_N=1, SCALE_BLOCK_K=FP8_GROUP)
+    args = dict(w1_scale_ptr=problem.w1_scale, w2_scale_ptr=problem.w2_scale)
+    for name, scale in (("s1", problem.w1_scale), ("s2", problem.w2_scale)):
+        args.update({f"stride_{name}_{d}": st for d, st in zip("enk", _scale_strides(scale))})
+    block_n, block_k = problem.scale_block
+    return args, dict(constexprs, SCALE_BLOCK_N=block_n, SCALE_BLOCK_K=block_k)
+
+
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
                         config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace] = None
                         ) -> LaunchSpec:
@@ -285,8 +317,11 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         lora_shrink2_ptr=shrink2,
         stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else None,
     )
+    fp8_args, fp8_consts = fp8_launch_values(problem, target)
+    args.update(fp8_args)
     pdl = pdl_enabled(config, target)
     constexprs = dict(
+        **fp8_consts,
         ACTIVATION=activation, SWIGLU_ALPHA=problem.swiglu_alpha, SWIGLU_LIMIT=problem.swiglu_limit,
         HAS_W1_BIAS=problem.w1_bias is not None, HAS_W2_BIAS=problem.w2_bias is not None,
         GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
@@ -397,6 +432,11 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
         args.update(bias_ptr=problem.w2_bias, stride_bias_e=problem.w2_bias.stride(0),
                     row_weights_ptr=sorting.sorted_weights)
         constexprs.update(HAS_BIAS=True, SCALE_BIAS_BY_ROW_WEIGHT=True)
+    if problem.fp8:  # y is quantized per row and K step (S2_BLOCK_K = one activation group)
+        fp8_args, fp8_consts = fp8_launch_values(problem, target)
+        args.update(b_scale_ptr=problem.w2_scale, stride_bs_e=fp8_args["stride_s2_e"],
+                    stride_bs_n=fp8_args["stride_s2_n"], stride_bs_k=fp8_args["stride_s2_k"])
+        constexprs.update(A_FP8=1, **{k: v for k, v in fp8_consts.items() if k != "FP8"})
     if lora is not None:
         shrink, b2 = workspace.lora_shrink2, lora.b2
         args.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,

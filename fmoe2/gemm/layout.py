@@ -23,12 +23,13 @@ here are).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from einops import rearrange
 
 from .._validation import FLOAT_DTYPES, check_tensor
+from ..fp8 import FP8_DTYPES, check_block_shape, weight_scale_view
 
 
 def _round_up(x: int, m: int) -> int:
@@ -45,6 +46,15 @@ class PreparedMoEWeights:
     intermediate_size: int  # I (logical)
     b13: Optional[torch.Tensor] = None  # [E, 2*I_pad] gate/up bias, interleaved like w13's rows, zero padded
     b2: Optional[torch.Tensor] = None  # [E, H_pad] down bias, zero padded
+    # fp8 weights: float32 scale views [E, Sn, Sk] of w1 (the checkpoint's row order: the kernels map
+    # interleaved rows back) and w2, and their block shape (block_n, block_k) (fmoe2/fp8.py)
+    s13: Optional[torch.Tensor] = None
+    s2: Optional[torch.Tensor] = None
+    scale_block: Optional[Tuple[int, int]] = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.s13 is not None
 
     @property
     def num_experts(self) -> int:
@@ -75,15 +85,21 @@ class PreparedMoEWeights:
 
 
 def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_bias: Optional[torch.Tensor] = None,
-                    w2_bias: Optional[torch.Tensor] = None, gate_up_interleaved: bool = False) -> PreparedMoEWeights:
+                    w2_bias: Optional[torch.Tensor] = None, gate_up_interleaved: bool = False,
+                    w1_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                    block_shape: Optional[Tuple[int, int]] = None) -> PreparedMoEWeights:
     """Converts plain ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` (any strides) to the prepared layout.
 
     ``w1_bias [E, 2I]`` and ``w2_bias [E, H]``: optional biases, ``w1_bias`` in ``w1``'s row order.
     ``gate_up_interleaved``: ``w1``'s rows (and ``w1_bias``) are g0, u0, g1, u1, ... instead of all
     gate rows then all up rows. Call once at load time; it allocates new tensors of (padded) weight
     size on the same device.
+
+    fp8 weights (``float8_e4m3fn``/``float8_e4m3fnuz``) come with their float32 scales ``w1_scale``
+    and ``w2_scale`` (block-wise with ``block_shape``, per channel or per expert: ``fmoe2/fp8.py``),
+    kept in the checkpoint's row order; biases of fp8 weights are in the activations' dtype.
     """
-    check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
+    check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
     E, two_i, H = w1.shape
     if two_i % 2:
         raise ValueError(f"w1 must have shape [E, 2I, H] (gate rows then up rows), got {tuple(w1.shape)}")
@@ -94,9 +110,12 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
         raise ValueError(f"w2 is on {w2.device} but w1 is on {w1.device}")
     if pad_to < 1:
         raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+    fp8 = w1.dtype in FP8_DTYPES
+    s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)
+    bias_dtypes = FLOAT_DTYPES if fp8 else (w1.dtype,)
     for name, bias, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
         if bias is not None:
-            check_tensor(name, bias, dtypes=(w1.dtype,), shape=shape, shape_doc=f"{list(shape)}", contiguous=False)
+            check_tensor(name, bias, dtypes=bias_dtypes, shape=shape, shape_doc=f"{list(shape)}", contiguous=False)
             if bias.device != w1.device:
                 raise ValueError(f"{name} is on {bias.device} but w1 is on {w1.device}")
     h_pad, i_pad = _round_up(H, pad_to), _round_up(inter, pad_to)
@@ -115,4 +134,32 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     if w2_bias is not None:
         b2 = w2_bias.new_zeros(E, h_pad)
         b2[:, :H] = w2_bias
-    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2)
+    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2,
+                              s13=s13.contiguous() if fp8 else None, s2=s2.contiguous() if fp8 else None,
+                              scale_block=scale_block)
+
+
+def checked_weight_scales(w1: torch.Tensor, w2: torch.Tensor, w1_scale, w2_scale, block_shape,
+                          gate_up_interleaved: bool = False):
+    """``(w1 scale view, w2 scale view, (block_n, block_k))`` of fp8 plain weights (``fmoe2/fp8.py``);
+    ``(None, None, None)`` for 16/32-bit weights, which take no scales. Raises for missing or misshapen
+    scales, a scale on another device, and interleaved fp8 rows (their scales' row order is not defined)."""
+    E, two_i, H = w1.shape
+    if w1.dtype not in FP8_DTYPES:
+        if w1_scale is not None or w2_scale is not None or block_shape is not None:
+            raise ValueError(f"w1_scale, w2_scale and block_shape go with fp8 weights {FP8_DTYPES}; w1 is {w1.dtype}")
+        return None, None, None
+    if w1_scale is None or w2_scale is None:
+        raise ValueError(f"fp8 weights ({w1.dtype}) need their float32 scales: w1_scale and w2_scale "
+                         f"(block-wise with block_shape, per channel [E, N] or per expert [E])")
+    if gate_up_interleaved:
+        raise ValueError("gate_up_interleaved is not supported with fp8 weights (scales are read in gate-then-up "
+                         "row order)")
+    block_shape = check_block_shape(block_shape)
+    # (Per channel and per expert read alike: either may go with the other.)
+    s13, bn, bk, _ = weight_scale_view("w1_scale", w1_scale, E, two_i, H, block_shape)
+    s2, _, _, _ = weight_scale_view("w2_scale", w2_scale, E, H, two_i // 2, block_shape)
+    for name, scale in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+        if scale.device != w1.device:
+            raise ValueError(f"{name} is on {scale.device} but w1 is on {w1.device}")
+    return s13, s2, (bn, bk)

@@ -37,7 +37,8 @@ from .launches import MoEProblem, forward_buffer_views, forward_buffers
 # Per-call device addresses a plan's launches read, in this order (0 where absent); the scratch
 # buffers' addresses follow them.
 INPUT_SOURCES = ("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "out", "expert_map", "token_lora_ids",
-                 "lora.a13", "lora.b13", "lora.a2", "lora.b2", "lora.scaling", "w1_bias", "w2_bias")
+                 "lora.a13", "lora.b13", "lora.a2", "lora.b2", "lora.scaling", "w1_bias", "w2_bias", "w1_scale",
+                 "w2_scale")
 OUT_SOURCE = INPUT_SOURCES.index("out")
 
 
@@ -46,7 +47,7 @@ def input_sources(problem: MoEProblem, topk_weights, topk_ids, out, expert_map) 
     lora = problem.lora
     lora_tensors = (lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling) if lora is not None else (None,) * 5
     return [problem.x, problem.w1, problem.w2, topk_weights, topk_ids, out, expert_map, problem.token_lora_ids,
-            *lora_tensors, problem.w1_bias, problem.w2_bias]
+            *lora_tensors, problem.w1_bias, problem.w2_bias, problem.w1_scale, problem.w2_scale]
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""fp8 benchmark: ``python -m fmoe2.bench --dtype fp8 [--scheme block|channel|tensor]``.
+
+Per shape (default: the three benchmark shapes and DeepSeek-V3's) and batch: random bf16 weights
+quantized to fp8 e4m3 (``fmoe2.quantize_fp8_weights``; block-wise 128 x 128 by default), fresh
+bf16 inputs and softmax + top-k routing. Timed in CUDA graphs (10 calls per graph, CUDA events,
+median of replays; ``timing.py``), in one run:
+
+* fmoe2 fp8, prepared weights, on the path ``path="auto"`` picks and on each path forced;
+* the vLLM-style fp8 baseline (``vllm_style_fused_experts_fp8``: a separate per-token-group
+  quantization launch before each GEMM, seven launches), the faster of two configs with BLOCK_K 128;
+* fmoe2 bf16 on the same (unquantized) weights, prepared, ``path="auto"``;
+* the fp8 memory floor: fp8 weight bytes of the experts hit, their scales and the bf16 activations
+  in and out, over the measured copy bandwidth.
+
+Checked against the reference with the same quantization (relative L2 error, at most 1e-2) and,
+reported, against the unquantized bf16 forward. Writes ``<out-dir>/fp8/<device>__<scheme>.json``
+and ``.md``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+import fmoe2
+from fmoe2.fp8 import FP8_GROUP
+from fmoe2.gemm.config import device_config_name
+from fmoe2.gemm.fused_moe import plan_of
+from fmoe2.shapes import ALL_SHAPES
+
+from .provenance import run_record, write_result
+from .timing import time_in_graph
+from .vllm_style import GroupedGemmConfig, vllm_style_fused_experts_fp8
+
+FP8_SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3")
+SAME_QUANT_TOL = 1e-2
+
+
+def baseline_fp8_candidates(M: int, E: int, topk: int):
+    """Two configs of the baseline's GEMMs (shared BLOCK_M, BLOCK_K = one activation group) by routed
+    rows per expert, of the tiles vLLM's block-scaled fp8 configs use."""
+    rows = M * topk / E
+    if rows <= 4:
+        tiles = [(16, 64, 1, 4), (16, 128, 1, 4)]
+    elif rows <= 64:
+        tiles = [(32, 64, 8, 4), (64, 128, 8, 4)]
+    else:
+        tiles = [(64, 128, 8, 4), (128, 128, 8, 8)]
+    return [(GroupedGemmConfig(bm, bn, FP8_GROUP, gm, w, 3),) * 2 for bm, bn, gm, w in tiles]
+
+
+def _time(fn, M: int) -> float:
+    """:func:`time_in_graph` with fewer replays at large batches (a DeepSeek-V3 forward at M=4096 takes ~10 ms)."""
+    return time_in_graph(fn, replays=50 if M < 1024 else 12)
+
+
+def _rel(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_fp8_shape(name, shape, ms, scheme, ceilings, gen):
+    E, H, I, topk = shape
+    block_shape = (128, 128) if scheme == "block" else None
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
+    prepared_bf16 = fmoe2.prepare_weights(w1, w2)
+    q1, s1 = fmoe2.quantize_fp8_weights(w1, scheme)
+    q2, s2 = fmoe2.quantize_fp8_weights(w2, scheme)
+    scales = dict(w1_scale=s1, w2_scale=s2, block_shape=block_shape)
+    prepared = fmoe2.prepare_weights(q1, q2, **scales)
+    scale_bytes = (s1.numel() + s2.numel()) * 4
+    rows = []
+    for M in ms:
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        logits = torch.randn(M, E, device="cuda", generator=gen)
+        tw, ti = torch.topk(logits.softmax(dim=-1), topk, dim=-1)
+        ti = ti.to(torch.int32)
+        out = torch.empty_like(x)
+        hit = int(torch.unique(ti).numel())
+        floor_bytes = hit * 3 * H * I + scale_bytes * hit / E + 2 * M * H * 2
+        floor_us = floor_bytes / ceilings["copy_bytes_per_s"] * 1e6
+
+        ref = fmoe2.fused_moe_reference(x, q1, q2, tw, ti, **scales)
+        unquantized = fmoe2.fused_moe_reference(x, w1, w2, tw, ti)
+        errors = {}
+        times = {}
+        for path in ("auto", "fused", "two_stage"):
+            errors[path] = _rel(fmoe2.fused_moe(x, prepared, None, tw, ti, path=path), ref)
+            times[path] = _time(lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, path=path), M)
+        auto_path = plan_of(x, prepared, None, tw, ti).config.path
+        err_vs_bf16 = _rel(fmoe2.fused_moe(x, prepared, None, tw, ti), unquantized)
+        base = []
+        for cfgs in baseline_fp8_candidates(M, E, topk):
+            run = lambda cfgs=cfgs: vllm_style_fused_experts_fp8(x, q1, q2, tw, ti, *cfgs, **scales)  # noqa: E731
+            base.append((_time(run, M), cfgs, _rel(run(), ref)))
+        t_base, base_cfgs, err_base = min(base, key=lambda b: b[0])
+        t_bf16 = _time(lambda: fmoe2.fused_moe(x, prepared_bf16, None, tw, ti, out=out), M)
+        err_bf16 = _rel(fmoe2.fused_moe(x, prepared_bf16, None, tw, ti), unquantized)
+        t_best = min(times["fused"], times["two_stage"])
+        row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, scheme=scheme, experts_hit=hit,
+                   fmoe2_fp8_us=times["auto"], fmoe2_fp8_path=auto_path, fmoe2_fp8_fused_us=times["fused"],
+                   fmoe2_fp8_two_stage_us=times["two_stage"], baseline_fp8_us=t_base,
+                   baseline_config=base_cfgs[0].__dict__, fmoe2_bf16_us=t_bf16,
+                   speedup_vs_baseline=t_base / times["auto"], speedup_vs_bf16=t_bf16 / times["auto"],
+                   floor_us=floor_us, fraction_of_floor=floor_us / times["auto"],
+                   best_path_fraction_of_floor=floor_us / t_best,
+                   rel_err_same_quant={k: v for k, v in errors.items()}, baseline_rel_err_same_quant=err_base,
+                   fp8_rel_err_vs_unquantized=err_vs_bf16, bf16_rel_err_vs_unquantized=err_bf16)
+        rows.append(row)
+        print(f"{name:17s} M={M:6d} fp8 {times['auto']:8.1f} us ({auto_path}; fused {times['fused']:.1f}, two-stage "
+              f"{times['two_stage']:.1f})  baseline {t_base:8.1f}  bf16 {t_bf16:8.1f}  x{t_base / times['auto']:.2f} vs "
+              f"baseline, x{t_bf16 / times['auto']:.2f} vs bf16, floor {floor_us / times['auto']:.0%}  err "
+              f"{errors['auto']:.1e} (fused {errors['fused']:.1e}, two-stage {errors['two_stage']:.1e}; base "
+              f"{err_base:.1e}; vs bf16 {err_vs_bf16:.1e})", flush=True)
+        # The gate is the path fused_moe picks; a forced fused path at a large I (Mixtral: 224 bf16 atomic adds per
+        # output element with 128-column slices) may round more, and is reported.
+        if errors["auto"] > SAME_QUANT_TOL or not all(math.isfinite(v) for v in errors.values()):
+            raise SystemExit(f"{name} M={M}: fp8 result off the same-quantization reference: {errors}")
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# fp8 MoE forward ({result['scheme']} scales): {result['device']}", "",
+             f"{result['date']}, torch {result['torch']}, Triton {result['triton']}; `{result['command']}`", "",
+             "Microseconds per forward in CUDA graphs; fmoe2 fp8 on prepared weights (`path=\"auto\"`, and each path "
+             "forced); the vLLM-style fp8 baseline quantizes activations in separate launches; fmoe2 bf16 runs the "
+             "unquantized weights. Floor: fp8 bytes of the experts hit + scales + activations over the measured copy "
+             "bandwidth. Errors: relative L2 against the reference with the same quantization (fmoe2's pick; the baseline, "
+             "which quantizes the intermediate before the routing weight), "
+             "and fmoe2 fp8 against the unquantized bf16 forward.", "",
+             "| shape | M | fmoe2 fp8 | path | fused / two-stage | baseline fp8 | fmoe2 bf16 | vs baseline | vs bf16 "
+             "| of floor | err | base err | err vs bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        lines.append(
+            f"| {r['shape']} | {r['M']} | {r['fmoe2_fp8_us']:.1f} | {r['fmoe2_fp8_path']} | "
+            f"{r['fmoe2_fp8_fused_us']:.1f} / {r['fmoe2_fp8_two_stage_us']:.1f} | {r['baseline_fp8_us']:.1f} | "
+            f"{r['fmoe2_bf16_us']:.1f} | {r['speedup_vs_baseline']:.2f}x | {r['speedup_vs_bf16']:.2f}x | "
+            f"{r['fraction_of_floor']:.0%} | {r['rel_err_same_quant']['auto']:.1e} | "
+            f"{r['baseline_rel_err_same_quant']:.1e} | {r['fp8_rel_err_vs_unquantized']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_fp8_bench(shapes, ms, scheme, out_dir, ceilings, gen, argv=None) -> str:
+    """Runs the shapes in turn; the result file is rewritten after each shape (a run cut short keeps
+    the shapes it finished)."""
+    result = {**run_record("python -m fmoe2.bench", argv), "scheme": scheme, "ceilings": ceilings, "results": []}
+    path = os.path.join(out_dir, "fp8", f"{device_config_name()}__{scheme}.json")
+    report = ""
+    for name in shapes:
+        result["results"] += bench_fp8_shape(name, ALL_SHAPES[name], ms, scheme, ceilings, gen)
+        torch.cuda.empty_cache()  # the shape's weights are gone: DeepSeek-V3's need most of an 80 GB GPU
+        report = write_result(path, result, markdown)
+    return report

@@ -1,0 +1,234 @@
+"""fp8 expert weights (fmoe2/fp8.py): the kernels' activation quantization equals its torch mirror bit for
+bit, and fused_moe with block-wise, per-channel and per-expert scales matches the reference that applies
+the same quantization, on the fused and the two-stage path, plain and prepared, for odd sizes (CPU
+interpreter in fp16, whose bf16 atomics it lacks; bf16 on a GPU with fp8 matrix instructions)."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import fmoe2
+from fmoe2 import fused_moe, prepare_weights, quantize_fp8_weights
+from fmoe2.fp8 import (FP8_GROUP, _quantize_rows, _round_to_fp8_grid, dequantize_weights, fp8_constexprs,
+                       quantize_activations, weight_scale_view)
+from fmoe2.gemm.fused_moe import plan_of
+from fmoe2.target import NAMED_TARGETS, target_of
+from helpers import DEVICE, make_lora, make_problem, make_token_lora_ids, poisoned, rel_error
+
+FP8 = torch.float8_e4m3fn
+# Against the reference with the same quantization: what is left is summation order (and, on Hopper,
+# the fp8 matrix instructions' accumulation), the 16-bit intermediate and atomic adds; issue bound 1e-2.
+SAME_QUANT_TOL = 1e-2
+# Against the unquantized forward: four fp8 roundings (x, w1, y, w2) of about 3% each on random data.
+UNQUANTIZED_TOL = 0.1
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+needs_fp8 = pytest.mark.skipif(FP8 not in target_of(DEVICE).fp8_dtypes, reason="no fp8 matrix instructions here")
+
+
+@triton.jit
+def _quantize_kernel(v_ptr, q_ptr, s_ptr, C: tl.constexpr, FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr,
+                     FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr):
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, C)
+    v = tl.load(v_ptr + rows[:, None] * C + cols[None, :])
+    scaled, scale = _quantize_rows(v, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+    tl.store(q_ptr + rows[:, None] * C + cols[None, :], scaled.to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + rows, scale)
+
+
+@needs_fp8
+def test_kernel_quantization_equals_its_torch_mirror_bit_for_bit():
+    # The interpreter rounds in software (its fp8 conversion is off, see _round_to_fp8_grid); GPUs convert.
+    soft = DEVICE != "cuda"
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(16, FP8_GROUP, generator=gen) * torch.logspace(-3, 3, 16)[:, None]
+    v[3] = 0.0  # an all-zero group
+    v[5, :4] = torch.tensor([127.3, -31.97, 1e-6, 447.99])  # mantissa carries into the exponent; a subnormal
+    v = v.to(DEVICE)
+    q = torch.empty(16, FP8_GROUP, dtype=FP8, device=DEVICE)
+    s = torch.empty(16, dtype=torch.float32, device=DEVICE)
+    consts = fp8_constexprs(FP8, interpreter=soft)
+    _quantize_kernel[(1,)](v, q, s, FP8_GROUP, consts["FP8_MAX"], soft, consts["FP8_MIN_NORMAL"],
+                           consts["FP8_SUBNORMAL_STEP"])
+    q_ref, s_ref = quantize_activations(v, FP8)
+    assert torch.equal(s, s_ref[:, 0])
+    mismatches = (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()
+    # Veltkamp's split (soft rounding) breaks exact ties away from even: rare in random data.
+    assert mismatches <= (4 if soft else 0), mismatches
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter only: compiled, the split's products fuse into FMAs")
+def test_soft_rounding_lands_on_the_fp8_grid():
+    @triton.jit
+    def grid_kernel(v_ptr, o_ptr, MIN_NORMAL: tl.constexpr, STEP: tl.constexpr):
+        offs = tl.arange(0, 4096)
+        tl.store(o_ptr + offs, _round_to_fp8_grid(tl.load(v_ptr + offs), MIN_NORMAL, STEP))
+
+    gen = torch.Generator().manual_seed(1)
+    v = (torch.randn(4096, generator=gen) * torch.logspace(-4, 2.6, 4096)).clamp(-448, 448).to(DEVICE)
+    out = torch.empty_like(v)
+    consts = fp8_constexprs(FP8, interpreter=True)
+    grid_kernel[(1,)](v, out, consts["FP8_MIN_NORMAL"], consts["FP8_SUBNORMAL_STEP"])
+    exact = v.cpu().to(FP8).float()
+    assert torch.equal(out.cpu().to(FP8).float(), out.cpu())  # on the grid: converts exactly
+    assert (out.cpu() != exact).sum().item() <= 4
+
+
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor"])
+def test_quantized_weights_dequantize_close_to_the_original(scheme):
+    w = torch.randn(3, 200, 136) / 10
+    q, scale = quantize_fp8_weights(w, scheme)
+    expected = {"block": (3, 2, 2), "channel": (3, 200), "tensor": (3,)}[scheme]
+    assert q.dtype == FP8 and tuple(scale.shape) == expected
+    view, bn, bk, name = weight_scale_view("w", scale, 3, 200, 136, (128, 128) if scheme == "block" else None)
+    assert name == scheme
+    back = dequantize_weights(q, view, bn, bk)
+    assert rel_error(back, w) < 0.05
+    assert back.abs().max() <= w.abs().max() * (1 + 1e-6)  # the largest value of each block maps to fp8's max
+
+
+def _fp8_problem(M, E, H, I, topk, scheme, seed=0, block_shape=(128, 128), ids=None):
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float32, seed=seed, ids=ids)
+    q1, s1 = quantize_fp8_weights(w1, scheme, block_shape)
+    q2, s2 = quantize_fp8_weights(w2, scheme, block_shape)
+    scales = dict(w1_scale=s1.to(DEVICE), w2_scale=s2.to(DEVICE), block_shape=block_shape if scheme == "block" else None)
+    return x.to(DTYPE), q1.to(DEVICE), q2.to(DEVICE), tw, ti, scales, (w1.to(DEVICE), w2.to(DEVICE))
+
+
+def _check(out, x, w1, w2, tw, ti, scales, unquantized, **kwargs):
+    assert torch.isfinite(out).all(), "output holds NaN/inf (unwritten or overflowed elements)"
+    ref = fmoe2.fused_moe_reference(x, w1, w2, tw, ti, **scales, **kwargs).float()
+    err = rel_error(out.float(), ref)
+    assert err <= SAME_QUANT_TOL, f"relative L2 error {err:.3e} against the same-quantization reference"
+    plain = fmoe2.fused_moe_reference(x.float(), *unquantized, tw, ti, **kwargs)
+    assert rel_error(out.float(), plain) <= UNQUANTIZED_TOL
+    return err
+
+
+@needs_fp8
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor"])
+def test_fp8_forward_matches_the_same_quantization_reference(scheme, path, prepared):
+    # H and I not multiples of 128 (partial activation groups and scale blocks), E not a power of two.
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(13, 6, 200, 136, 3, scheme)
+    out = poisoned(13, 200, DTYPE)
+    if prepared:
+        p = prepare_weights(w1, w2, **scales)
+        fused_moe(x, p, None, tw, ti, out=out, path=path)
+    else:
+        fused_moe(x, w1, w2, tw, ti, out=out, path=path, **scales)
+    _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+@needs_fp8
+@pytest.mark.parametrize("topk", [1, 8])
+def test_fp8_topk_extremes_with_a_non_square_block(topk):
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(11, 10, 136, 72, topk, "block", seed=topk,
+                                                          block_shape=(64, 128))
+    for path in ("fused", "two_stage"):
+        _check(fused_moe(x, w1, w2, tw, ti, path=path, **scales), x, w1, w2, tw, ti, scales, unquantized)
+
+
+@needs_fp8
+def test_fp8_with_biases_expert_map_one_hot_routing_and_no_tokens():
+    E, H, I = 6, 136, 72
+    ids = torch.full((9, 2), 4, dtype=torch.int64)
+    ids[:, 1] = 7  # global ids; 7 maps to no local expert
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(9, E, H, I, 2, "channel", ids=ids)
+    expert_map = torch.tensor([0, 1, -1, 2, 3, 4, 5, -1], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    b1 = torch.randn(E, 2 * I, generator=gen).to(DEVICE, DTYPE)
+    b2 = torch.randn(E, H, generator=gen).to(DEVICE, DTYPE)
+    for path in ("fused", "two_stage"):
+        out = fused_moe(x, w1, w2, tw, ti, path=path, expert_map=expert_map, w1_bias=b1, w2_bias=b2, **scales)
+        _check(out, x, w1, w2, tw, ti, scales, unquantized, expert_map=expert_map, w1_bias=b1, w2_bias=b2)
+    empty = fused_moe(x[:0], w1, w2, tw[:0], ti[:0], **scales)
+    assert empty.shape == (0, H)
+
+
+def test_fp8_arguments_are_checked_before_any_launch():
+    x, w1, w2, tw, ti, scales, _ = _fp8_problem(5, 4, 136, 72, 2, "block")
+    with pytest.raises(ValueError, match="need their float32 scales"):
+        fused_moe(x, w1, w2, tw, ti)
+    with pytest.raises(ValueError, match=r"w1_scale must have shape \[E, cdiv\(N, 128\)"):
+        fused_moe(x, w1, w2, tw, ti, **{**scales, "w1_scale": scales["w1_scale"][:, :1]})
+    with pytest.raises(TypeError, match="w2_scale must be float32"):
+        fused_moe(x, w1, w2, tw, ti, **{**scales, "w2_scale": scales["w2_scale"].half()})
+    with pytest.raises(ValueError, match="block_k must be a multiple of 128"):
+        fused_moe(x, w1, w2, tw, ti, **{**scales, "block_shape": (128, 64)})
+    with pytest.raises(ValueError, match="per channel"):
+        fused_moe(x, w1, w2, tw, ti, **{**scales, "block_shape": None})
+    with pytest.raises(ValueError, match="go with fp8 weights"):
+        fused_moe(x, w1.to(x.dtype), w2.to(x.dtype), tw, ti, **scales)
+    with pytest.raises(ValueError, match="gate_up_interleaved is not supported with fp8"):
+        fused_moe(x, w1, w2, tw, ti, gate_up_interleaved=True, **scales)
+    p = prepare_weights(w1, w2, **scales)
+    with pytest.raises(ValueError, match="prepared weights carry their"):
+        fused_moe(x, p, None, tw, ti, w1_scale=scales["w1_scale"])
+    lora = make_lora(2, 4, 136, 72, 16, x.dtype)
+    if FP8 in target_of(DEVICE).fp8_dtypes:
+        with pytest.raises(ValueError, match="lora with fp8 base weights"):
+            fused_moe(x, w1, w2, tw, ti, lora=lora, token_lora_ids=make_token_lora_ids(5, 2), **scales)
+
+
+def test_fp8_is_refused_where_the_gpu_has_no_fp8_matrix_instructions():
+    assert NAMED_TARGETS["sm_80"].fp8_dtypes == ()
+    assert NAMED_TARGETS["sm_90"].fp8_dtypes == (torch.float8_e4m3fn,)
+    assert NAMED_TARGETS["gfx942"].fp8_dtypes == (torch.float8_e4m3fnuz,)
+    assert NAMED_TARGETS["gfx950"].fp8_dtypes == (torch.float8_e4m3fn,)
+
+
+@needs_fp8
+def test_fp8_op_passes_opcheck_and_plans_key_on_the_block_shape():
+    x, w1, w2, tw, ti, scales, _ = _fp8_problem(7, 4, 136, 72, 2, "block")
+    args = (x, w1, w2, tw, ti, "silu", None, "auto", "", 0, 0, None, None, None, None, None, 0, None, None, None,
+            False, 1.702, None, scales["w1_scale"], scales["w2_scale"], list(scales["block_shape"]))
+    # test_schema compares the inputs before and after with arithmetic torch has no fp8 CPU kernel for; the
+    # schema is the one tests/test_ops.py checks with 16-bit weights.
+    torch.library.opcheck(torch.ops.fmoe2.fused_moe.default, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    out = fused_moe(x, w1, w2, tw, ti, **scales)
+    # Same scale shapes, another block shape: [E, cdiv(144, 128)=2, 1] fits (128, 128) and (72, 128) alike.
+    other = dict(scales, block_shape=(72, 128))
+    assert plan_of(x, w1, w2, tw, ti, **other) is None
+    assert not torch.equal(fused_moe(x, w1, w2, tw, ti, **other), out)
+
+
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="large shapes and CUDA graphs: GPU only")
+
+
+@gpu_only
+@needs_fp8
+@pytest.mark.parametrize("M", [1, 65536])
+def test_fp8_large_odd_shape_on_the_gpu(M):
+    # E=60, H and I not multiples of 128, top-8; M=65536 takes the two-stage path's largest grids.
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(M, 60, 1000, 360, 8, "block", seed=M)
+    p = prepare_weights(w1, w2, **scales)
+    for path in ("auto", "fused", "two_stage"):
+        out = poisoned(M, 1000, DTYPE)
+        fused_moe(x, p, None, tw, ti, out=out, path=path)
+        _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+@gpu_only
+@needs_fp8
+def test_fp8_forward_replays_in_a_cuda_graph():
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(64, 8, 512, 256, 2, "block", seed=5)
+    p = prepare_weights(w1, w2, **scales)
+    out = torch.empty_like(x)
+    eager = fused_moe(x, p, None, tw, ti).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, p, None, tw, ti, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, p, None, tw, ti, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    # Atomic adds land in another order from run to run: equal up to bf16 rounding.
+    assert rel_error(out, eager) < 5e-3
+    _check(out, x, w1, w2, tw, ti, scales, unquantized)
