@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fp8 import DEFAULT_BLOCK_SHAPE, weight_scale_view
+from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, fp8_constexprs, weight_scale_view
 from .gemm.config import fit_fp8_config, fit_lora_config_to_problem, get_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, deltas_in_stages, fused_kernel_launch, lora_expand_launch,
                             lora_shrink_launch, stage2_kernel_launch)
@@ -40,7 +40,7 @@ from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
 from .launch import LaunchSpec
 from .shapes import SHAPES
-from .sorting.moe_sorting import MoESortingResult, sort_launch_specs
+from .sorting.moe_sorting import MoESortingResult, sort_launch_specs, x_quantization_values
 from .target import NAMED_TARGETS
 
 # Triton's compile targets of the named GPUs (fmoe2.target.NAMED_TARGETS: A100, H100/H200 SXM, B200,
@@ -259,13 +259,17 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk, **scales)
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
+    quantized_x = x_quantization = None
     if fp8:
         common["fp8"] = {"scheme": fp8, "weight_dtype": str(weight_dtype).replace("torch.", "")}
+        quantized_x = (torch.empty(M, H, dtype=weight_dtype, **meta),
+                       torch.empty(M, -(-H // FP8_GROUP), dtype=torch.float32, **meta))
+        x_quantization = x_quantization_values(x, *quantized_x, fp8_constexprs(weight_dtype, interpreter=False))
     reports = []
 
     def sort_reports(name, sorting, **lora_args):
         for spec in sort_launch_specs(topk_ids, topk_weights, E, None, sorting, x, launch_dependents=pdl,
-                                      num_compute_units=named.num_sms, **lora_args):
+                                      num_compute_units=named.num_sms, x_quantization=x_quantization, **lora_args):
             kernel = name + "_count" if spec.name == "sort_count" else name
             extra = {} if spec.name == "sort_count" else {"chunk_size": sorting.chunk_size}
             reports.append({"kernel": kernel, **common, **extra, **_compile_spec(spec, target)})
@@ -273,7 +277,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
     sort_reports("moe_sorting", sorting)
     reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
-                    **_compile_spec(fused_kernel_launch(problem, x, sorting, activation, fused_config, named), target)})
+                    **_compile_spec(fused_kernel_launch(problem, x, sorting, activation, fused_config, named,
+                                                        quantized_x=quantized_x), target)})
     suffix = ""
     if lora_rank:
         problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
@@ -301,7 +306,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
                              lora_expand_launch(problem, sorting, workspace, x, down, named, config.pdl)):
                     reports.append({"kernel": spec.name, **common, "config": config.to_dict(),
                                     **_compile_spec(spec, target)})
-        spec = fused_kernel_launch(problem, x, sorting, activation, config, named, workspace)
+        spec = fused_kernel_launch(problem, x, sorting, activation, config, named, workspace, quantized_x)
         reports.append({"kernel": "fused_moe_stage1" + suffix, **common, "config": config.to_dict(),
                         **_compile_spec(spec, target)})
         spec = stage2_kernel_launch(problem, x, sorting, workspace, config, named)

@@ -422,3 +422,20 @@ def test_gpt_oss_kernels_compile():
     for rep in reports:
         assert rep["matrix_instructions"], rep
         assert no_spills(rep) or not rep["auto"], rep
+
+
+FP8_MATRIX = {"sm_90": "QGMMA", "gfx942": "v_mfma_f32_16x16x32_fp8_fp8", "gfx950": "v_mfma_f32_16x16x128_f8f6f4"}
+
+
+@pytest.mark.parametrize("target", sorted(FP8_MATRIX))
+def test_fp8_kernels_use_fp8_matrix_instructions_without_spills(target):
+    # Block-scaled fp8 weights (e4m3fnuz on gfx942), Qwen3 shape at M=4096: the fused kernel, stage 1 (storing
+    # fp8 y) and stage 2 on fp8 matrix instructions (sm_90: wgmma with e4m3 operands), the sort launch with
+    # its x-quantizing programs; nothing spills.
+    reports = codegen(target, "qwen3-30b-a3b", "4096", "--fp8", "block")
+    assert {"fused_moe", "fused_moe_stage1", "moe_stage2", "moe_sorting"} <= {k for k, _ in reports}
+    for (kernel, _), rep in reports.items():
+        assert rep["fp8"]["weight_dtype"] == ("float8_e4m3fnuz" if target == "gfx942" else "float8_e4m3fn")
+        assert no_spills(rep), rep
+        if kernel != "moe_sorting" and kernel != "moe_sorting_count":
+            assert any(name.startswith(FP8_MATRIX[target]) for name in rep["matrix_instructions"]), rep

@@ -56,6 +56,7 @@ MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
 FP8_MAX_ACC = MAX_FUSED_ACC // 2  # the same with fp8 weights (fit_fp8_config)
 FP8_MAX_FUSED_ATOMIC_ADDS = 64  # per output element, for fp8 on the fused path (fp8_prefers_two_stage)
+FP8_FUSED_MAX_TOKENS_PER_EXPERT = 16  # routed rows per expert up to which fp8 may take the fused path (same)
 # With adapters, the two stages compute the deltas themselves (no LoRA launches) up to this many routed rows
 # per expert (M*topk/E), LoRA launches run beyond (lora_in_stages). Measurements and the rule in full:
 # docs/lora.md#deltas-in-the-stages-up-to-1-row-per-expert
@@ -344,20 +345,30 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     return fit_shared_memory(cfg, dtype.itemsize, shared_memory)
 
 
-def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAULT_SHARED_MEMORY) -> FusedMoEConfig:
+def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAULT_SHARED_MEMORY,
+                   grid: Optional[tuple] = None) -> FusedMoEConfig:
     """A (fitted) config made fit for fp8 weights (``fmoe2/fp8.py``): every K step one activation
     quantization group (BLOCK_K = S2_BLOCK_K = FP8_GROUP), and on the fused path each slice one group
     of the intermediate (BLOCK_N = FP8_GROUP), so a step's scales are one per row and weight row;
     pointer loads (``tma`` off). The widened accumulator keeps to ``MAX_FUSED_ACC`` elements and
     ``MAX_ACC_REGS`` registers per thread, the down tile to ``MAX_DOWN_TILE``; stages, then BLOCK_M,
     come down until the gate/up loop (fp8 weight tile, x tile of ``x_bytes`` per element) fits
-    ``shared_memory``. Not tuned yet: the 16-bit pick's other choices are kept."""
+    ``shared_memory``. Not tuned yet: the 16-bit pick's other choices are kept.
+
+    Two-stage configs get stage-1 slices of one group too (stage 1 then stores y quantized, see
+    ``stage1_stores_fp8``), unless ``grid`` = ``(M, E, I, topk, num_sms)`` says that grid would fit
+    in one wave: then the pick's narrower slices (more programs at decode sizes) stay, and y stays
+    16-bit."""
     group = FP8_GROUP
     block_m, block_n, num_warps = cfg.BLOCK_M, cfg.BLOCK_N, cfg.num_warps
     block_h, s2_block_n = cfg.BLOCK_H, cfg.S2_BLOCK_N
     if cfg.path == "fused":
         block_n = group
         block_h = max(16, min(block_h, MAX_DOWN_TILE // block_n))
+    elif grid is not None and fused_grid_fits_one_wave(replace(cfg, BLOCK_N=group), *grid):
+        block_n = min(block_n, group)
+    else:
+        block_n = group
     # Each step also holds the x (or y) tile in registers to quantize it: half the 16-bit accumulator budget
     # (at the full budget, 128 x 256 spilled 537 instructions on sm_90).
     while block_m > 16 and block_m * 2 * block_n > FP8_MAX_ACC:
@@ -387,17 +398,20 @@ def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAU
 def fp8_prefers_two_stage(fitted: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:
     """Whether an fp8 forward left to ``path="auto"`` takes the two-stage path: unless the fused path
     adds at most ``FP8_MAX_FUSED_ATOMIC_ADDS`` partial results into each output element (``topk *
-    ceil(I / 128)``: fp8 slices are one 128-column activation group) and its grid (``fitted``, a
-    fused fp8 config) is beyond one wave (:func:`fused_grid_fits_one_wave`). Measured on the H100
-    (2026-11-25, block-wise scales, misc/bench/fp8): each bf16 atomic add rounds, so the fused path's
-    error against the same-quantization reference grew with their number (48 adds, Qwen3: 0.85-0.97%;
-    66, DeepSeek-V2-Lite: 0.98-1.1%; 128, DeepSeek-V3: 1.3-1.4%; 224, Mixtral: 1.8%) while the two-stage
-    path's stayed at 0.4-0.6%; within one wave the two-stage path's narrower stage-1 slices were faster
-    (Qwen3 M=1: 24.6 us against 35.2). Qwen3 from M=16 on kept the fused path's speed (M=1024: 490 us
-    against 702 two-stage)."""
+    ceil(I / 128)``: fp8 slices are one 128-column activation group), the batch routes at most
+    ``FP8_FUSED_MAX_TOKENS_PER_EXPERT`` rows per expert (``M * topk / E``) and the fused grid
+    (``fitted``, a fused fp8 config) is beyond one wave (:func:`fused_grid_fits_one_wave`).
+
+    Measured on the H100 (2026-11-25, block-wise scales, misc/bench/fp8): each bf16 atomic add rounds,
+    so the fused path's error against the same-quantization reference grew with their number (48 adds,
+    Qwen3: 0.86-1.0%; 66, DeepSeek-V2-Lite: 0.93-1.1%; 128, DeepSeek-V3: 1.4%; 224, Mixtral: 1.7-1.9%)
+    while the two-stage path's stayed at 0.35-0.62%. The two-stage path (stage 1 storing y quantized) was
+    faster at M >= 1024 everywhere (Qwen3 M=1024: 297.9 us against 390.2 fused) and within one wave (Qwen3
+    M=1: 20.9 against 30.4); the fused path was faster for Qwen3 at M=16 and 128 (135.5 and 221.6 us against
+    143.2 and 225.1)."""
     adds = topk * triton.cdiv(I, FP8_GROUP)
-    return adds > FP8_MAX_FUSED_ATOMIC_ADDS or fused_grid_fits_one_wave(replace(fitted, path="fused"), M, E, I, topk,
-                                                                         num_sms)
+    return (adds > FP8_MAX_FUSED_ATOMIC_ADDS or M * topk > FP8_FUSED_MAX_TOKENS_PER_EXPERT * E
+            or fused_grid_fits_one_wave(replace(fitted, path="fused"), M, E, I, topk, num_sms))
 
 
 def pipelined_loop_bytes(stages: int, tile_elements: int, element_bytes: int) -> int:

@@ -387,16 +387,18 @@ def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str
     else:
         config = fit_given_config(config, problem, path, target)
     if problem.fp8:
-        fitted = fit_fp8_config(config, problem.x.element_size(), target.shared_memory)
+        grid = (problem.num_tokens, problem.num_experts, problem.intermediate_size, problem.topk, target.num_sms)
+
+        def fp8_fit(cfg):
+            return fit_fp8_config(cfg, problem.x.element_size(), target.shared_memory, grid)
+
         if not (picked and path == "auto"):
-            return fitted
+            return fp8_fit(config)
         # The path by fp8's own rule: the fused fit's grid decides it, the 16-bit pick's path does not.
-        fused = fit_fp8_config(fit_given_config(config, problem, "fused", target), problem.x.element_size(),
-                               target.shared_memory)
-        two_stage = fp8_prefers_two_stage(fused, problem.num_tokens, problem.num_experts, problem.intermediate_size,
-                                          problem.topk, target.num_sms)
-        return fit_fp8_config(fit_given_config(config, problem, "two_stage", target), problem.x.element_size(),
-                              target.shared_memory) if two_stage else fused
+        fused = fp8_fit(fit_given_config(config, problem, "fused", target))
+        if fp8_prefers_two_stage(fused, *grid):
+            return fp8_fit(fit_given_config(config, problem, "two_stage", target))
+        return fused
     return config
 
 

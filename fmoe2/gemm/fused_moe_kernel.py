@@ -81,7 +81,7 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
              s1_expert=None, stride_s1_n=0, stride_s1_k=0, FP8: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
              SOFT_FP8_ROUNDING: tl.constexpr = False, FP8_MIN_NORMAL: tl.constexpr = 0.015625,
              FP8_SUBNORMAL_STEP: tl.constexpr = 0.001953125, SCALE_BLOCK_N: tl.constexpr = 1,
-             SCALE_BLOCK_K: tl.constexpr = 128):
+             SCALE_BLOCK_K: tl.constexpr = 128, xq_rows=None, xs_rows=None):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice.
 
     ``stride_w1_k``: the weights' stride along H (1, a constant, in fmoe2's layouts; transformers'
@@ -95,10 +95,11 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded).
 
-    FP8 (fp8 weights, BLOCK_K = one activation group, ``fmoe2/fp8.py``): each x tile is quantized
-    per row, and each step's product is scaled by the rows' activation scales and the weight rows'
-    scales ``s1_expert[orig_row // SCALE_BLOCK_N, k0 // SCALE_BLOCK_K]`` (orig_row: the row in the
-    checkpoint's order, gate rows then up rows).
+    FP8 (fp8 weights, BLOCK_K = one activation group, ``fmoe2/fp8.py``): x comes quantized by the
+    sort launch (``xq_rows``: [BLOCK_M, 1] fp8 row pointers, ``xs_rows``: [BLOCK_M] pointers to the
+    rows' group scales), and each step's product is scaled by the rows' activation scales and the
+    weight rows' scales ``s1_expert[orig_row // SCALE_BLOCK_N, k0 // SCALE_BLOCK_K]`` (orig_row: the
+    row in the checkpoint's order, gate rows then up rows).
     """
     offs_k = tl.arange(0, BLOCK_K)
     shrink = tl.zeros([BLOCK_M, STACK], dtype=tl.float32)
@@ -110,16 +111,19 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H
-            a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            a_mask = row_valid[:, None] & k_valid[None, :]
+            if FP8:
+                a = tl.load(xq_rows + k[None, :], mask=a_mask, other=0.0)
+                sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
+            else:
+                a = tl.load(x_rows + k[None, :], mask=a_mask, other=0.0)
             if w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
                 b = w13_desc.load([w13_row0, k0])
             else:
                 b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :], other=0.0)
             if FP8:
-                qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
-                                        FP8_SUBNORMAL_STEP)
                 sb = tl.load(s_rows + (k0 // SCALE_BLOCK_K) * stride_s1_k, mask=r_valid, other=0.0)
-                acc += tl.dot(qa.to(b.dtype), tl.trans(b)) * (sa[:, None] * sb[None, :])
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
             else:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             if WITH_LORA:
@@ -137,18 +141,20 @@ def _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_v
             k = k0 + offs_k
             k_valid = k < H
             w_mask = n_valid[:, None] & k_valid[None, :]
-            a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            a_mask = row_valid[:, None] & k_valid[None, :]
+            if FP8:
+                a = tl.load(xq_rows + k[None, :], mask=a_mask, other=0.0)
+                sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
+            else:
+                a = tl.load(x_rows + k[None, :], mask=a_mask, other=0.0)
             bg = tl.load(gate_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
             bu = tl.load(up_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
             if FP8:
-                qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
-                                        FP8_SUBNORMAL_STEP)
-                qa = qa.to(bg.dtype)
                 s_step = (k0 // SCALE_BLOCK_K) * stride_s1_k
                 sg = tl.load(sg_rows + s_step, mask=n_valid, other=0.0)
                 su = tl.load(su_rows + s_step, mask=n_valid, other=0.0)
-                gate += tl.dot(qa, tl.trans(bg)) * (sa[:, None] * sg[None, :])
-                up += tl.dot(qa, tl.trans(bu)) * (sa[:, None] * su[None, :])
+                gate += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg[None, :])
+                up += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su[None, :])
             else:
                 gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
                 up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
@@ -234,6 +240,9 @@ def _fused_moe_kernel(
     # shrinks of each slice
     w1_scale_ptr,  # FP8 only: [E, Sn, Sk] float32 scales of w1 in the checkpoint's row order (fmoe2/fp8.py)
     w2_scale_ptr,  # FP8 only: [E, Sn, Sk] float32 scales of w2
+    y_scale_ptr,  # Y_FP8 only: [num_grid_tiles * BLOCK_M, cdiv(I, BLOCK_N)] float32 scales of the fp8 y
+    x_q_ptr,  # FP8 only: [M, H] fp8 x, quantized by the sort launch
+    x_scale_ptr,  # FP8 only: [M, cdiv(H, BLOCK_K)] float32 scales of x_q
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
     sorted_expert_ids_ptr,  # [max_num_tiles] int32
@@ -276,6 +285,9 @@ def _fused_moe_kernel(
     stride_s2_e,
     stride_s2_n,
     stride_s2_k,
+    stride_ys_m,  # Y_FP8 only
+    stride_xq_m,  # FP8 only, like stride_xs_m
+    stride_xs_m,
     # meta-parameters
     ACTIVATION: tl.constexpr,
     SWIGLU_ALPHA: tl.constexpr,  # swiglu_oai's alpha
@@ -296,8 +308,8 @@ def _fused_moe_kernel(
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
     LORA_STAGES: tl.constexpr,  # pipeline depth of the loops that carry adapter work (tiles without: num_stages)
     PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
-    # fp8 weights (fmoe2/fp8.py): activations quantized here per row and BLOCK_K (gate/up) or BLOCK_N (down)
-    # columns, both FP8_GROUP; SOFT_FP8_ROUNDING under the interpreter only
+    # fp8 weights (fmoe2/fp8.py): x comes quantized by the sort launch (x_q, per row and BLOCK_K columns); y is
+    # quantized here per row and BLOCK_N columns (both FP8_GROUP); SOFT_FP8_ROUNDING under the interpreter only
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
     SOFT_FP8_ROUNDING: tl.constexpr,
@@ -305,6 +317,7 @@ def _fused_moe_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr,  # weight rows per scale (both weights)
     SCALE_BLOCK_K: tl.constexpr,  # weight columns per scale
+    Y_FP8: tl.constexpr,  # STORE_Y with FP8 and BLOCK_N = FP8_GROUP: y stored quantized (fp8 y, scales per slice)
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` or on a gap
     tile (expert -1) exit at once.
@@ -348,9 +361,13 @@ def _fused_moe_kernel(
     if FP8:
         s1_expert = w1_scale_ptr + expert * stride_s1_e
         s2_expert = w2_scale_ptr + expert * stride_s2_e
+        xq_rows = x_q_ptr + token[:, None] * stride_xq_m
+        xs_rows = x_scale_ptr + token * stride_xs_m
     else:
         s1_expert = w1_scale_ptr
         s2_expert = w2_scale_ptr
+        xq_rows = x_q_ptr
+        xs_rows = x_scale_ptr
     out_rows = out_ptr + token[:, None] * stride_out_m
     # First descriptor rows (tensor-descriptor loads only) of this program's gate/up tile and this expert's w2.
     w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
@@ -395,7 +412,7 @@ def _fused_moe_kernel(
         gate, up, _ = _gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
                                offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                False, 16, None, s1_expert, stride_s1_n, stride_s1_k, FP8, FP8_MAX, SOFT_FP8_ROUNDING,
-                               FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
+                               FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K, xq_rows, xs_rows)
         if HAS_LORA and LORA_DECODE:
             # Read only on the LoRA side of the down GEMM; defined here because a value leaves a
             # run-time if only when both branches define it.
@@ -462,7 +479,13 @@ def _fused_moe_kernel(
         y = tl.where(n_valid[None, :], y, 0.0)
     if STORE_Y:
         # Padding rows hold zeros (their x rows and routing weights are 0), so no row mask.
-        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], y, mask=n_valid[None, :])
+        y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :]
+        if Y_FP8:  # quantized once here (the slice is one activation group) instead of by every stage-2 program
+            qy, sy = _quantize_rows(y.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+            tl.store(y_rows, qy.to(y_ptr.dtype.element_ty), mask=n_valid[None, :])
+            tl.store(y_scale_ptr + offs_m.to(tl.int64) * stride_ys_m + slice_id, sy)
+        else:
+            tl.store(y_rows, y, mask=n_valid[None, :])
         if not ADD_READY_DELTAS:
             if num_present > 0:
                 # Deltas in the stages: this slice's down shrink of each row with an adapter, summed

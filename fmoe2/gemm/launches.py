@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..fp8 import FP8_GROUP, fp8_constexprs
 from ..launch import LaunchSpec
 from ..reference import SWIGLU_ALPHA
-from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers
+from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
 from ..target import Target
 from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
 from .fused_moe_kernel import _fused_moe_kernel
@@ -80,6 +80,9 @@ class TwoStageWorkspace:
     # [rows, I] view of a [rows, I rounded up to 8] buffer (16-byte rows, for tensor descriptors), input
     # dtype: activated intermediate, routing weight applied
     y: torch.Tensor
+    # fp8 weights with 128-column stage-1 slices (stage1_stores_fp8): y is fp8, and these its float32 scales
+    # [rows, cdiv(I, 128)]
+    y_scale: Optional[torch.Tensor] = None
     # With adapters: partial shrinks [splits, rows, 2R] / [splits, rows, R] float32 (R the padded rank)
     # of the gate/up and the down deltas, and the gate/up deltas [rows, 2I] (input dtype, gate then up);
     # only rows with an adapter are written and read. Where the stages compute the deltas
@@ -99,6 +102,9 @@ class TwoStageWorkspace:
         inter, dtype = problem.intermediate_size, problem.x.dtype
         # Row stride padded to 16 bytes so stage 2 can read y through a tensor descriptor.
         buffers = [("y", dtype, (rows, -(-inter // 8) * 8))]
+        if stage1_stores_fp8(problem, config):  # fp8 y and its scales, one per row and I slice
+            buffers = [("y", problem.w1.dtype, (rows, -(-inter // 16) * 16)),
+                       ("y_scale", torch.float32, (rows, triton.cdiv(inter, FP8_GROUP)))]
         if deltas_in_stages(problem, config):
             buffers.append(("lora_shrink2", torch.float32,
                             (triton.cdiv(inter, config.BLOCK_N), rows, problem.lora.padded_rank)))
@@ -111,8 +117,8 @@ class TwoStageWorkspace:
 
     @classmethod
     def from_views(cls, views: dict, intermediate_size: int) -> "TwoStageWorkspace":
-        return cls(views["y"][:, :intermediate_size], views.get("lora_shrink13"), views.get("lora_shrink2"),
-                   views.get("lora_delta13"))
+        return cls(views["y"][:, :intermediate_size], views.get("y_scale"), views.get("lora_shrink13"),
+                   views.get("lora_shrink2"), views.get("lora_delta13"))
 
     @classmethod
     def allocate(cls, problem: MoEProblem, sorting: MoESortingResult, config: FusedMoEConfig,
@@ -162,6 +168,13 @@ def _descriptor(t: torch.Tensor, block) -> Optional[TensorDescriptor]:
     if max(block) > TMA_MAX_BLOCK or t2.stride(1) != 1 or row_bytes % 16 or t2.data_ptr() % 16:
         return None
     return TensorDescriptor.from_tensor(t2, list(block))
+
+
+def stage1_stores_fp8(problem: MoEProblem, config: FusedMoEConfig) -> bool:
+    """Whether stage 1 of an fp8 forward stores y quantized: where its slices are one activation group
+    (BLOCK_N = FP8_GROUP), so each row's group scale is known in one program. Stage 2 then reads fp8 y
+    and its scales; otherwise it quantizes y's tiles itself, in every program of an N block."""
+    return problem.fp8 and config.path == "two_stage" and config.BLOCK_N == FP8_GROUP
 
 
 def deltas_in_stages(problem: MoEProblem, config: FusedMoEConfig) -> bool:
@@ -280,13 +293,16 @@ def fp8_launch_values(problem: MoEProblem, target: Target) -> Tuple[dict, dict]:
 
 
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
-                        config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace] = None
-                        ) -> LaunchSpec:
+                        config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace] = None,
+                        quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> LaunchSpec:
     """The fused kernel's launch.
 
     With ``workspace`` it is stage 1 of the two-stage path: it stores the intermediate into
     ``workspace.y`` (and, with adapters, adds the gate/up deltas of ``workspace.lora_delta13``).
+    ``quantized_x``: ``(x_q, x_scale)`` of an fp8 forward, filled by the sort launch (required with fp8).
     """
+    if problem.fp8 and quantized_x is None:
+        raise ValueError("an fp8 forward's fused kernel reads x quantized by the sort launch: quantized_x is None")
     y = workspace.y if workspace is not None else None
     delta13 = workspace.lora_delta13 if workspace is not None else None
     # Deltas in the stages: stage 1 stores its slices' down shrinks.
@@ -319,9 +335,15 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     )
     fp8_args, fp8_consts = fp8_launch_values(problem, target)
     args.update(fp8_args)
+    y_scale = workspace.y_scale if workspace is not None else None
+    args.update(y_scale_ptr=y_scale, stride_ys_m=y_scale.stride(0) if y_scale is not None else None)
+    x_q, x_scale = quantized_x if quantized_x is not None else (None, None)
+    args.update(x_q_ptr=x_q, x_scale_ptr=x_scale, stride_xq_m=x_q.stride(0) if x_q is not None else None,
+                stride_xs_m=x_scale.stride(0) if x_scale is not None else None)
     pdl = pdl_enabled(config, target)
     constexprs = dict(
         **fp8_consts,
+        Y_FP8=y_scale is not None,
         ACTIVATION=activation, SWIGLU_ALPHA=problem.swiglu_alpha, SWIGLU_LIMIT=problem.swiglu_limit,
         HAS_W1_BIAS=problem.w1_bias is not None, HAS_W2_BIAS=problem.w2_bias is not None,
         GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
@@ -432,11 +454,14 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
         args.update(bias_ptr=problem.w2_bias, stride_bias_e=problem.w2_bias.stride(0),
                     row_weights_ptr=sorting.sorted_weights)
         constexprs.update(HAS_BIAS=True, SCALE_BIAS_BY_ROW_WEIGHT=True)
-    if problem.fp8:  # y is quantized per row and K step (S2_BLOCK_K = one activation group)
+    if problem.fp8:  # fp8 y with stage 1's scales, or y quantized here per row and K step (S2_BLOCK_K = one group)
         fp8_args, fp8_consts = fp8_launch_values(problem, target)
         args.update(b_scale_ptr=problem.w2_scale, stride_bs_e=fp8_args["stride_s2_e"],
                     stride_bs_n=fp8_args["stride_s2_n"], stride_bs_k=fp8_args["stride_s2_k"])
-        constexprs.update(A_FP8=1, **{k: v for k, v in fp8_consts.items() if k != "FP8"})
+        if workspace.y_scale is not None:
+            args.update(a_scale_ptr=workspace.y_scale, stride_as_m=workspace.y_scale.stride(0))
+        constexprs.update(A_FP8=2 if workspace.y_scale is not None else 1,
+                          **{k: v for k, v in fp8_consts.items() if k != "FP8"})
     if lora is not None:
         shrink, b2 = workspace.lora_shrink2, lora.b2
         args.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,
@@ -452,25 +477,32 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
 
 def forward_specs(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
                   out: torch.Tensor, expert_map: Optional[torch.Tensor], config: FusedMoEConfig, target: Target,
-                  sorting: MoESortingResult, workspace: Optional[TwoStageWorkspace]) -> List[LaunchSpec]:
+                  sorting: MoESortingResult, workspace: Optional[TwoStageWorkspace],
+                  quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> List[LaunchSpec]:
     """The launches of one forward, in order: ``sort`` (``sort_count`` before it where the sort is
     chunked), then ``fused``, or ``stage1`` and ``stage2`` (with adapters, unless the stages compute
     the deltas (:func:`deltas_in_stages`), ``lora_shrink13`` and ``lora_expand13`` before stage 1,
-    ``lora_shrink2`` and ``lora_expand2`` before stage 2). ``workspace`` is None on the fused path."""
+    ``lora_shrink2`` and ``lora_expand2`` before stage 2). ``workspace`` is None on the fused path.
+    ``quantized_x``: ``(x_q, x_scale)`` buffers of an fp8 forward, which the sort fills."""
     lora = problem.lora
     pdl = pdl_enabled(config, target)
     # With PDL every launch after the sort starts while its predecessor runs and waits in-kernel; all but
     # stage 2 signal their dependents early. With adapters the sort also counts the tokens that have one.
+    x_quantization = None
+    if quantized_x is not None:  # fp8: the sort launch quantizes x once for every GEMM program to read
+        x_quantization = x_quantization_values(problem.x, *quantized_x, fp8_constexprs(problem.w1.dtype,
+                                                                                      target.interpreter))
     specs = sort_launch_specs(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out,
                               token_lora_ids=problem.token_lora_ids, num_loras=lora.num_loras if lora is not None else 0,
-                              launch_dependents=pdl, num_compute_units=target.num_sms)
+                              launch_dependents=pdl, num_compute_units=target.num_sms, x_quantization=x_quantization)
     if workspace is None:
-        return specs + [fused_kernel_launch(problem, out, sorting, activation, config, target)]
+        return specs + [fused_kernel_launch(problem, out, sorting, activation, config, target,
+                                            quantized_x=quantized_x)]
     lora_launches = lora is not None and not deltas_in_stages(problem, config)
     if lora_launches:
         specs += [lora_shrink_launch(problem, sorting, workspace, False, target, pdl),
                   lora_expand_launch(problem, sorting, workspace, out, False, target, pdl)]
-    specs.append(fused_kernel_launch(problem, out, sorting, activation, config, target, workspace))
+    specs.append(fused_kernel_launch(problem, out, sorting, activation, config, target, workspace, quantized_x))
     if lora_launches:
         specs += [lora_shrink_launch(problem, sorting, workspace, True, target, pdl),
                   lora_expand_launch(problem, sorting, workspace, out, True, target, pdl)]
@@ -484,17 +516,23 @@ def forward_buffers(problem: MoEProblem, config: FusedMoEConfig, target: Target,
     the chunked sort, 0 for one launch), then on the two-stage path the workspace's."""
     buffers = sorting_buffers(problem.num_tokens * problem.topk, problem.num_experts, config.BLOCK_M,
                               problem.lora is not None, chunk_size)
+    if problem.fp8:  # x quantized by the sort launch
+        M, H = problem.num_tokens, problem.hidden_size
+        buffers += [("x_q", problem.w1.dtype, (M, -(-H // 16) * 16)),
+                    ("x_scale", torch.float32, (M, triton.cdiv(H, FP8_GROUP)))]
     if config.path == "two_stage":
         buffers += TwoStageWorkspace.buffers(problem, config.BLOCK_M, config, target)
     return buffers
 
 
 def forward_buffer_views(problem: MoEProblem, config: FusedMoEConfig, views: dict, chunk_size: int
-                         ) -> Tuple[MoESortingResult, Optional[TwoStageWorkspace]]:
-    """The sorting result and (two-stage path) workspace held by ``views`` of :func:`forward_buffers`."""
+                         ) -> Tuple[MoESortingResult, Optional[TwoStageWorkspace], Optional[tuple]]:
+    """The sorting result, the (two-stage path) workspace and the (fp8) quantized x ``(x_q, x_scale)``
+    held by ``views`` of :func:`forward_buffers`."""
     sorting = MoESortingResult.from_views(views, config.BLOCK_M, problem.num_tokens, chunk_size)
     workspace = TwoStageWorkspace.from_views(views, problem.intermediate_size) if config.path == "two_stage" else None
-    return sorting, workspace
+    quantized_x = (views["x_q"][:, :problem.hidden_size], views["x_scale"]) if "x_q" in views else None
+    return sorting, workspace, quantized_x
 
 
 __all__ = ["MoEProblem", "TwoStageWorkspace", "forward_specs", "forward_buffers", "forward_buffer_views",

@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from ..buffers import BufferLayout
+from ..fp8 import FP8_GROUP, _quantize_rows
 from ..grid_dependency import gdc_launch_dependents, gdc_wait
 from ..launch import BoundLaunch, LaunchSpec, PlanCache, bind_launches, direct_launches, run_bound, tracing
 from ..target import target_of
@@ -337,7 +338,28 @@ def _scatter_chunk(topk_ids_ptr, topk_weights_ptr, expert_map_ptr, token_lora_id
     tl.store(sorted_weights_ptr + dest, weight, mask=kept)
 
 
-@triton.jit(do_not_specialize=["num_zero_programs", "num_parts", "num_chunks"])
+@triton.jit
+def _quantize_x_rows(x_ptr, x_q_ptr, x_scale_ptr, num_x_rows, x_cols, stride_x_m, stride_xq_m, quant_pid,
+                     num_quant_programs, X_ROWS: tl.constexpr, X_GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+                     SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr):
+    """One quantizing program: ``X_ROWS`` x ``X_GROUP`` tiles of x in turn, each row's group quantized
+    (``fmoe2/fp8.py``) into ``x_q`` and its scale into ``x_scale [rows, cdiv(x_cols, X_GROUP)]``."""
+    groups = tl.cdiv(x_cols, X_GROUP)
+    items = tl.cdiv(num_x_rows, X_ROWS) * groups
+    for item in range(quant_pid, items, num_quant_programs):
+        rows = (item // groups) * X_ROWS + tl.arange(0, X_ROWS)
+        group = item % groups
+        cols = group * X_GROUP + tl.arange(0, X_GROUP)
+        row_valid = rows < num_x_rows
+        rows = rows.to(tl.int64)
+        mask = row_valid[:, None] & (cols < x_cols)[None, :]
+        v = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scaled, scale = _quantize_rows(v, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+        tl.store(x_q_ptr + rows[:, None] * stride_xq_m + cols[None, :], scaled.to(x_q_ptr.dtype.element_ty), mask=mask)
+        tl.store(x_scale_ptr + rows * groups + group, scale, mask=row_valid)
+
+
+@triton.jit(do_not_specialize=["num_zero_programs", "num_parts", "num_chunks", "num_quant_programs"])
 def _moe_sorting_kernel(
     topk_ids_ptr,  # [M * TOPK] int32/int64, row-major [M, TOPK]
     topk_weights_ptr,  # [M * TOPK] float
@@ -378,16 +400,39 @@ def _moe_sorting_kernel(
     CHUNK_SIZE: tl.constexpr = 1,  # CHUNKED: routing entries per chunk
     COUNT_ROWS: tl.constexpr = 1,  # CHUNKED: count table rows loaded at a time
     WAIT_FOR_COUNTS: tl.constexpr = False,  # CHUNKED: launched as a programmatic dependent of the count launch
+    # fp8 forwards (QUANTIZE_X): the activations quantized once here, for the GEMMs to read (fmoe2/fp8.py)
+    x_ptr=None,  # [M, H] hidden_states
+    x_q_ptr=None,  # [M, H] fp8
+    x_scale_ptr=None,  # [M, cdiv(H, X_GROUP)] float32
+    x_cols=0,  # H
+    stride_x_m=0,
+    stride_xq_m=0,
+    num_quant_programs=0,  # programs after all others that quantize x
+    QUANTIZE_X: tl.constexpr = False,
+    X_ROWS: tl.constexpr = 16,
+    X_GROUP: tl.constexpr = 128,
+    FP8_MAX: tl.constexpr = 448.0,
+    SOFT_FP8_ROUNDING: tl.constexpr = False,
+    FP8_MIN_NORMAL: tl.constexpr = 0.015625,
+    FP8_SUBNORMAL_STEP: tl.constexpr = 0.001953125,
 ):
     """Grid: (num_chunks + NUM_EXPERTS * num_parts + num_zero_programs [+ 1 with COUNT_LORA_TOKENS],).
     With CHUNKED the first ``num_chunks`` programs scatter a chunk of entries each. Programs
     ``num_chunks + e * num_parts + p`` sort expert e (with CHUNKED, one per expert that only pads
     and labels its tiles); the programs after them zero ``out`` (dispatched first, these delayed
-    the sort: see the module docstring); the last one counts the tokens with an adapter."""
+    the sort: see the module docstring); then the one that counts the tokens with an adapter; with
+    QUANTIZE_X the last ``num_quant_programs`` quantize x."""
     if LAUNCH_DEPENDENTS:  # let the next kernel be scheduled now; it waits for this one's results itself
         gdc_launch_dependents()
     pid = tl.program_id(0)
     num_sort_programs = num_chunks + NUM_EXPERTS * num_parts
+    if QUANTIZE_X:
+        first_quant = num_sort_programs + num_zero_programs + COUNT_LORA_TOKENS
+        if pid >= first_quant:
+            _quantize_x_rows(x_ptr, x_q_ptr, x_scale_ptr, num_entries // TOPK, x_cols, stride_x_m, stride_xq_m,
+                             pid - first_quant, num_quant_programs, X_ROWS, X_GROUP, FP8_MAX, SOFT_FP8_ROUNDING,
+                             FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+            return
     if COUNT_LORA_TOKENS:
         if pid == num_sort_programs + num_zero_programs:
             _store_lora_token_count(token_lora_ids_ptr, num_lora_tokens_ptr, num_entries // TOPK, num_loras,
@@ -665,7 +710,8 @@ def scan_block_size(num_elements: int) -> int:
 def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                           expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0,
                           lora_keys: bool = False, num_parts: Optional[int] = None, launch_dependents: bool = False,
-                          num_warps: Optional[int] = None, num_compute_units: Optional[int] = None):
+                          num_warps: Optional[int] = None, num_compute_units: Optional[int] = None,
+                          x_quantization: Optional[Tuple[dict, dict]] = None):
     """Grid, arguments and constexprs of the sorting kernel (shared by the launcher and ``fmoe2.codegen``).
 
     ``expanded_ids`` stores ``token*topk+slot`` with padding ``M*topk`` (vLLM's convention), used
@@ -681,6 +727,8 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
     ``num_parts``/``num_warps`` override :func:`sort_programs` (tests, ``fmoe2.bench.sort_settings``),
     which otherwise picks them for ``num_compute_units`` multiprocessors (default: those of the
     routing tensors' GPU). Pointers the flags leave unused are None (constexpr: no launch argument).
+    ``x_quantization``: ``(args, constexprs)`` of the programs that quantize x for an fp8 forward
+    (:func:`x_quantization_values`), added after all others.
     """
     count_lora_tokens = result.num_lora_tokens is not None
     if (lora_keys or count_lora_tokens) != (token_lora_ids is not None):
@@ -708,7 +756,8 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         auto_parts, auto_warps = sort_programs(num_keys, num_entries, num_compute_units)
         num_parts = auto_parts if num_parts is None else num_parts
         num_warps = auto_warps if num_warps is None else num_warps
-    grid = (num_chunks + num_keys * num_parts + num_zero_programs + int(count_lora_tokens),)
+    num_quant_programs = x_quantization[0]["num_quant_programs"] if x_quantization is not None else 0
+    grid = (num_chunks + num_keys * num_parts + num_zero_programs + int(count_lora_tokens) + num_quant_programs,)
     args = dict(
         topk_ids_ptr=topk_ids,
         topk_weights_ptr=topk_weights,
@@ -751,10 +800,31 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
         COUNT_ROWS=max(MAX_COUNT_TILE // key_block, 1) if chunked else 1,
         WAIT_FOR_COUNTS=chunked and launch_dependents,
     )
+    if x_quantization is not None:
+        args.update(x_quantization[0])
+        constexprs.update(x_quantization[1])
     options = {"num_warps": num_warps}
     if chunked and launch_dependents:
         options["launch_pdl"] = True
     return grid, args, constexprs, options
+
+
+X_QUANT_ROWS = 16  # rows of x per quantizing step
+MAX_X_QUANT_PROGRAMS = 1024
+
+
+def x_quantization_values(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, fp8_consts: dict
+                          ) -> Tuple[dict, dict]:
+    """``(args, constexprs)`` of the sort launch's x-quantizing programs: ``x [M, H]`` into ``x_q`` and
+    ``x_scale [M, cdiv(H, FP8_GROUP)]``, with ``fp8_consts`` (``fmoe2.fp8.fp8_constexprs``)."""
+    M, H = x.shape
+    items = triton.cdiv(M, X_QUANT_ROWS) * triton.cdiv(H, FP8_GROUP)
+    args = dict(x_ptr=x, x_q_ptr=x_q, x_scale_ptr=x_scale, x_cols=H, stride_x_m=x.stride(0),
+                stride_xq_m=x_q.stride(0), num_quant_programs=min(items, MAX_X_QUANT_PROGRAMS))
+    constexprs = dict(QUANTIZE_X=True, X_ROWS=X_QUANT_ROWS, X_GROUP=FP8_GROUP, FP8_MAX=fp8_consts["FP8_MAX"],
+                      SOFT_FP8_ROUNDING=fp8_consts["SOFT_FP8_ROUNDING"], FP8_MIN_NORMAL=fp8_consts["FP8_MIN_NORMAL"],
+                      FP8_SUBNORMAL_STEP=fp8_consts["FP8_SUBNORMAL_STEP"])
+    return args, constexprs
 
 
 def count_kernel_launch(args: dict, constexprs: dict):
@@ -774,13 +844,14 @@ def count_kernel_launch(args: dict, constexprs: dict):
 def sort_launch_specs(topk_ids, topk_weights, num_experts: int, expert_map, result: MoESortingResult, out,
                       expanded_ids: bool = False, token_lora_ids=None, num_loras: int = 0, lora_keys: bool = False,
                       num_parts: Optional[int] = None, launch_dependents: bool = False,
-                      num_warps: Optional[int] = None, num_compute_units: Optional[int] = None) -> List[LaunchSpec]:
+                      num_warps: Optional[int] = None, num_compute_units: Optional[int] = None,
+                      x_quantization: Optional[Tuple[dict, dict]] = None) -> List[LaunchSpec]:
     """The sort's launches (``sort_count`` first where the sort is chunked, then ``sort``); arguments
     as :func:`sorting_kernel_launch` takes them."""
     grid, args, constexprs, options = sorting_kernel_launch(topk_ids, topk_weights, num_experts, expert_map, result,
                                                             out, expanded_ids, token_lora_ids, num_loras, lora_keys,
                                                             num_parts, launch_dependents, num_warps,
-                                                            num_compute_units)
+                                                            num_compute_units, x_quantization)
     specs = []
     if constexprs["CHUNKED"]:
         specs.append(LaunchSpec("sort_count", _count_chunk_keys_kernel, *count_kernel_launch(args, constexprs)))

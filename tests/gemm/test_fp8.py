@@ -232,3 +232,19 @@ def test_fp8_forward_replays_in_a_cuda_graph():
     # Atomic adds land in another order from run to run: equal up to bf16 rounding.
     assert rel_error(out, eager) < 5e-3
     _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+@needs_fp8
+@pytest.mark.parametrize("block_n", [32, 128])
+def test_stage_one_stores_y_quantized_where_its_slices_are_one_group(block_n):
+    from fmoe2 import FusedMoEConfig
+    from fmoe2.gemm.fused_moe import forward_launches
+
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(13, 6, 200, 264, 3, "block", seed=9)
+    config = FusedMoEConfig(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, BLOCK_H=32, path="two_stage")
+    specs = {name: run.spec for name, run in forward_launches(x, w1, w2, tw, ti, config=config, **scales)}
+    assert specs["stage1"].constexprs["Y_FP8"] == (block_n == 128)
+    assert specs["stage2"].constexprs["A_FP8"] == (2 if block_n == 128 else 1)
+    assert specs["stage1"].constexprs["BLOCK_K"] == 128  # one activation group per K step, whatever was asked
+    out = fused_moe(x, w1, w2, tw, ti, config=config, **scales)
+    _check(out, x, w1, w2, tw, ti, scales, unquantized)
