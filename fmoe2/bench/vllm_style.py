@@ -131,6 +131,18 @@ def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mu
     )
 
 
+def _align(x, w1, topk_weights, topk_ids, block_m: int):
+    """``(M, H, 2I, I, topk, M*topk, sorting)``: the baseline's alignment, one kernel like vLLM's CUDA op
+    (never the two-launch chunked sort), expanded ids ``token*topk+slot``."""
+    M, H = x.shape
+    E, two_i, _ = w1.shape
+    topk = topk_ids.shape[1]
+    num_entries = M * topk
+    sorting = MoESortingResult.allocate(num_entries, E, block_m, M, x.device, chunk_size=0)
+    launch_moe_sorting(topk_ids, topk_weights, E, None, sorting, None, expanded_ids=True)
+    return M, H, two_i, two_i // 2, topk, num_entries, sorting
+
+
 def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGemmConfig, gemm2: GroupedGemmConfig,
                              activation: str = "silu", lora=None, token_lora_ids=None, lora_cfg=None, w1_bias=None,
                              w2_bias=None, swiglu_alpha: float = 1.702, swiglu_limit=None) -> torch.Tensor:
@@ -142,14 +154,7 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
     """
     if gemm1.BLOCK_M != gemm2.BLOCK_M:
         raise ValueError("gemm1 and gemm2 configs must share BLOCK_M (one alignment serves both)")
-    M, H = x.shape
-    E, two_i, _ = w1.shape
-    inter = two_i // 2
-    topk = topk_ids.shape[1]
-    num_entries = M * topk
-    # One alignment kernel like vLLM's CUDA op (the issue's baseline): never the two-launch chunked sort.
-    sorting = MoESortingResult.allocate(num_entries, E, gemm1.BLOCK_M, M, x.device, chunk_size=0)
-    launch_moe_sorting(topk_ids, topk_weights, E, None, sorting, None, expanded_ids=True)
+    M, H, two_i, inter, topk, num_entries, sorting = _align(x, w1, topk_weights, topk_ids, gemm1.BLOCK_M)
     cache1 = torch.empty(num_entries, two_i, dtype=x.dtype, device=x.device)
     cache2 = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     cache3 = torch.empty(M, topk, H, dtype=x.dtype, device=x.device)
@@ -186,13 +191,7 @@ def vllm_style_fused_experts_fp8(x, w1, w2, topk_weights, topk_ids, gemm1: Group
     if gemm1.BLOCK_M != gemm2.BLOCK_M or FP8_GROUP not in (gemm1.BLOCK_K, gemm2.BLOCK_K) or gemm1.BLOCK_K != gemm2.BLOCK_K:
         raise ValueError(f"gemm configs must share BLOCK_M and have BLOCK_K={FP8_GROUP}")
     s1, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape)
-    M, H = x.shape
-    E, two_i, _ = w1.shape
-    inter = two_i // 2
-    topk = topk_ids.shape[1]
-    num_entries = M * topk
-    sorting = MoESortingResult.allocate(num_entries, E, gemm1.BLOCK_M, M, x.device, chunk_size=0)
-    launch_moe_sorting(topk_ids, topk_weights, E, None, sorting, None, expanded_ids=True)
+    M, H, two_i, inter, topk, num_entries, sorting = _align(x, w1, topk_weights, topk_ids, gemm1.BLOCK_M)
     weights = topk_weights.reshape(-1).float()
     qx, sx = per_token_group_quant(x, w1.dtype)
     cache1 = torch.empty(num_entries, two_i, dtype=x.dtype, device=x.device)
