@@ -1,0 +1,62 @@
+"""Expert parallelism on the CPU: ``fmoe2.bench.expert_parallel`` under ``torch.distributed.run`` with two
+gloo processes (the kernels under the Triton interpreter). A tiny random Qwen3-MoE and gpt-oss, split
+over the two ranks by transformers' own expert parallelism with ``experts_implementation="fmoe2"``,
+decode the greedy tokens of the same model in one process, and both ranks run their experts through
+fmoe2. The same script runs on GPUs with NCCL (the two-GPU run: fmoe2/bench/expert_parallel.py)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_models import available, build  # noqa: E402
+
+
+def _expert_parallel_in_transformers() -> bool:
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return False
+    return "ep_size" in getattr(DistributedConfig, "__dataclass_fields__", {})
+
+
+pytestmark = [
+    pytest.mark.skipif(not _expert_parallel_in_transformers(), reason="transformers without expert parallelism (5.18+)"),
+    pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
+                       reason="transformers' expert parallelism needs accelerate"),
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="no gloo backend in this torch"),
+]
+
+
+def _decode(model_dir, out, processes: int):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] \
+        if processes > 1 else [sys.executable]
+    proc = subprocess.run([*launcher, "-m", "fmoe2.bench.expert_parallel", "decode", str(model_dir), "--out", str(out),
+                           "--dtype", "fp32", "--steps", "16", "--batch", "2"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_two_expert_parallel_ranks_decode_the_tokens_of_one_process(model_type, tmp_path):
+    if not available(model_type):
+        pytest.skip(f"{model_type} is not in this transformers")
+    model = build(model_type, layers=2)  # 4 experts: 2 per rank
+    model.save_pretrained(tmp_path / "model")
+    one = _decode(tmp_path / "model", tmp_path / "one.json", 1)
+    two = _decode(tmp_path / "model", tmp_path / "two.json", 2)
+    from fmoe2.bench.expert_parallel import agreement
+
+    assert two["world_size"] == 2 and len(two["points"][0]["fmoe2_calls"]) == 2
+    assert all(calls > 0 for calls in two["points"][0]["fmoe2_calls"])  # both ranks' experts ran on fmoe2
+    assert one["points"][0]["fmoe2_calls"][0] > 0
+    assert agreement(one, two) >= 0.95
