@@ -38,7 +38,10 @@ scatter half of the steps (``sort_programs``). Up to ``MAX_ZERO_PROGRAMS`` extra
 placed after the expert programs, zero the output buffer. With adapters (``fused_moe(...,
 lora=...)``) one more program, the last, counts the tokens that have one (``num_lora_tokens``):
 the LoRA kernels read that count first, so a batch whose tokens all have -1 skips their adapter
-work.
+work. With fp8 weights (``QUANTIZE_X``, :func:`x_quantization_values`) up to
+``MAX_X_QUANT_PROGRAMS`` programs after all others quantize ``hidden_states`` per token and group
+of 128 (``fmoe2/fp8.py``) into a buffer every GEMM program then reads: once per forward, not once
+per program, and no launch of its own.
 
 Zeroing programs go after the expert programs because, launched before them, they delayed the
 sort; the counting pass makes one unsigned comparison per entry and loads full steps without a
