@@ -131,6 +131,21 @@ def _quantize_expert_weights(w, scheme, block_shape, dtype):
     return (wf / full).clamp(-limit, limit).to(dtype), scale.contiguous()
 
 
+def to_e4m3fnuz(w: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(w [float8_e4m3fnuz], scale * 2)`` of ``float8_e4m3fn`` weights and their scale, for gfx942, whose
+    matrix instructions take e4m3fnuz. Both formats have 4 exponent and 3 mantissa bits; e4m3fnuz's
+    exponent bias is one higher, so each bit pattern is worth half as much there and the scale doubles.
+    The conversion is exact: -0 becomes +0 and NaN (e4m3fn 0x7F/0xFF) e4m3fnuz's NaN (0x80); e4m3fn's
+    largest values (+-448) keep their bits (+-224 in e4m3fnuz)."""
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"w must be float8_e4m3fn, got {w.dtype}")
+    bits = w.view(torch.uint8)
+    nan = (bits & 0x7F) == 0x7F
+    bits = torch.where(bits == 0x80, torch.zeros_like(bits), bits)
+    bits = torch.where(nan, torch.full_like(bits, 0x80), bits)
+    return bits.view(torch.float8_e4m3fnuz), scale * 2
+
+
 def dequantize_weights(w: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """float32 ``w * scale`` of fp8 ``w [E, N, K]`` and its ``[E, Sn, Sk]`` scale view with ``block_n`` x
     ``block_k`` blocks (a dimension of size 1 applies to every row or column)."""
@@ -213,5 +228,5 @@ def fp8_constexprs(dtype: Optional[torch.dtype], interpreter: bool) -> dict:
                 FP8_MIN_NORMAL=float(info.smallest_normal), FP8_SUBNORMAL_STEP=float(info.smallest_normal) / 8)
 
 
-__all__ = ["FP8_DTYPES", "FP8_GROUP", "DEFAULT_BLOCK_SHAPE", "quantize_weights", "dequantize_weights",
+__all__ = ["FP8_DTYPES", "FP8_GROUP", "DEFAULT_BLOCK_SHAPE", "quantize_weights", "dequantize_weights", "to_e4m3fnuz",
            "quantize_activations", "fake_quantize_activations", "weight_scale_view", "fp8_max"]

@@ -274,7 +274,9 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         if w1_t.dtype not in supported:
             raise ValueError(f"fp8 weights of dtype {w1_t.dtype} need a GPU whose matrix instructions take them "
                              f"(CUDA sm_89 or newer and gfx950: float8_e4m3fn; gfx942: float8_e4m3fnuz); this "
-                             f"device takes {supported or 'none'}")
+                             f"device takes {supported or 'none'}"
+                             + ("; fmoe2.prepare_weights converts e4m3fn weights to e4m3fnuz" if
+                                supported == (torch.float8_e4m3fnuz,) else ""))
     # Every check has passed: only now convert unprepared adapters (allocates).
     prepared_lora = prepare_lora(lora) if lora is not None else None
     if out is not None and prepared_lora is not None:

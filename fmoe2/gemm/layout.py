@@ -29,7 +29,7 @@ import torch
 from einops import rearrange
 
 from .._validation import FLOAT_DTYPES, check_tensor
-from ..fp8 import FP8_DTYPES, check_block_shape, weight_scale_view
+from ..fp8 import FP8_DTYPES, check_block_shape, to_e4m3fnuz, weight_scale_view
 
 
 def _round_up(x: int, m: int) -> int:
@@ -87,7 +87,8 @@ class PreparedMoEWeights:
 def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_bias: Optional[torch.Tensor] = None,
                     w2_bias: Optional[torch.Tensor] = None, gate_up_interleaved: bool = False,
                     w1_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
-                    block_shape: Optional[Tuple[int, int]] = None) -> PreparedMoEWeights:
+                    block_shape: Optional[Tuple[int, int]] = None,
+                    fp8_dtype: Optional[torch.dtype] = None) -> PreparedMoEWeights:
     """Converts plain ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` (any strides) to the prepared layout.
 
     ``w1_bias [E, 2I]`` and ``w2_bias [E, H]``: optional biases, ``w1_bias`` in ``w1``'s row order.
@@ -98,6 +99,9 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     fp8 weights (``float8_e4m3fn``/``float8_e4m3fnuz``) come with their float32 scales ``w1_scale``
     and ``w2_scale`` (block-wise with ``block_shape``, per channel or per expert: ``fmoe2/fp8.py``),
     kept in the checkpoint's row order; biases of fp8 weights are in the activations' dtype.
+    ``fp8_dtype``: the fp8 dtype to prepare them in; None: theirs, unless the weights' GPU takes only
+    e4m3fnuz (gfx942), where e4m3fn weights are converted (exactly, their scales doubled:
+    :func:`fmoe2.fp8.to_e4m3fnuz`).
     """
     check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
     E, two_i, H = w1.shape
@@ -112,6 +116,10 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
         raise ValueError(f"pad_to must be >= 1, got {pad_to}")
     fp8 = w1.dtype in FP8_DTYPES
     s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)
+    if fp8:
+        w1, w2, s13, s2 = _to_fp8_dtype(w1, w2, s13, s2, fp8_dtype)
+    elif fp8_dtype is not None:
+        raise ValueError(f"fp8_dtype goes with fp8 weights; w1 is {w1.dtype}")
     bias_dtypes = FLOAT_DTYPES if fp8 else (w1.dtype,)
     for name, bias, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
         if bias is not None:
@@ -137,6 +145,21 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2,
                               s13=s13.contiguous() if fp8 else None, s2=s2.contiguous() if fp8 else None,
                               scale_block=scale_block)
+
+
+def _to_fp8_dtype(w1, w2, s13, s2, fp8_dtype):
+    """Weights and scales in ``fp8_dtype`` (None: what the weights' GPU takes, see :func:`prepare_weights`)."""
+    from ..target import target_of
+
+    if fp8_dtype is None:
+        supported = target_of(w1.device).fp8_dtypes
+        fp8_dtype = torch.float8_e4m3fnuz if supported == (torch.float8_e4m3fnuz,) else w1.dtype
+    if fp8_dtype == w1.dtype:
+        return w1, w2, s13, s2
+    if (w1.dtype, fp8_dtype) != (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raise ValueError(f"fp8 weights convert from float8_e4m3fn to float8_e4m3fnuz only, not {w1.dtype} to {fp8_dtype}")
+    (w1, s13), (w2, s2) = to_e4m3fnuz(w1, s13), to_e4m3fnuz(w2, s2)
+    return w1, w2, s13, s2
 
 
 def checked_weight_scales(w1: torch.Tensor, w2: torch.Tensor, w1_scale, w2_scale, block_shape,
