@@ -36,9 +36,11 @@ except ImportError as error:  # pragma: no cover - depends on the installed tran
                       "transformers.integrations.moe.ExpertsInterface): pip install 'fmoe2[transformers]'") from error
 
 from .._validation import interpreter_enabled
+from ..fp8 import FP8_DTYPES, FP8_GROUP
 from ..gemm.fused_moe import fused_moe
 from ..launch import tracing
 from ..reference import SWIGLU_ALPHA, gated_activation
+from ..target import target_of
 
 BACKEND_NAME = "fmoe2"
 # _apply_gate overrides fmoe2 computes, by the qualified name of the method, with the module attributes
@@ -174,15 +176,44 @@ def call_fallback_reason(module, hidden_states) -> str:
     return ""
 
 
+def fp8_call_fallback_reason(module, hidden_states) -> str:
+    """Why this call of an fp8 experts module (transformers' ``FP8Experts``: e4m3 ``gate_up_proj``,
+    ``down_proj`` and their ``*_scale_inv``) cannot run on fmoe2 ("" when it can)."""
+    weight, scale = module.gate_up_proj, module.gate_up_proj_scale_inv
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return f"activation_scheme={module.activation_scheme!r}: fmoe2 quantizes activations dynamically"
+    if weight.dtype not in FP8_DTYPES:
+        return f"expert weights of dtype {weight.dtype} are no fp8 e4m3 (fmoe2 takes {FP8_DTYPES})"
+    if scale.dtype != torch.float32 or module.down_proj_scale_inv.dtype != torch.float32:
+        return f"weight scales of dtype {scale.dtype} (fmoe2 takes float32 scales)"
+    block = getattr(module, "block_size", None)
+    E, two_i, H = weight.shape
+    expected = (E, -(-two_i // block[0]), -(-H // block[1])) if block is not None else (E, 1, 1)
+    if block is not None and block[1] % FP8_GROUP:
+        return f"block_size {tuple(block)}: fmoe2 takes blocks whose K is a multiple of {FP8_GROUP}"
+    if tuple(scale.shape) != expected:
+        return f"gate_up_proj_scale_inv has shape {tuple(scale.shape)}, not {expected} for block_size {block}"
+    if weight.dtype not in target_of(hidden_states.device).fp8_dtypes:
+        return f"this device's matrix instructions do not take {weight.dtype}"
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"hidden states of dtype {hidden_states.dtype}"
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        return "gradients are required and fmoe2 is inference-only (run under torch.no_grad())"
+    if hidden_states.device.type == "cpu" and not interpreter_enabled():
+        return "the model is on the CPU (fmoe2's kernels need a GPU, or TRITON_INTERPRET=1)"
+    return ""
+
+
 _warned = set()
 
 
-def _fallback(module, reason: str, hidden_states, top_k_index, top_k_weights):
+def _fallback(module, reason: str, hidden_states, top_k_index, top_k_weights, registry=None):
     if not tracing() and (type(module), reason) not in _warned:
         _warned.add((type(module), reason))
         warnings.warn(f"fmoe2 experts backend: {type(module).__name__} runs transformers' grouped_mm instead: "
                       f"{reason}", stacklevel=3)
-    return _moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, hidden_states, top_k_index, top_k_weights)
+    registry = registry if registry is not None else _moe.ALL_EXPERTS_FUNCTIONS
+    return registry["grouped_mm"](module, hidden_states, top_k_index, top_k_weights)
 
 
 def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -205,14 +236,46 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
                      swiglu_limit=spec.swiglu_limit, **biases)
 
 
+def fmoe2_fp8_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"fmoe2"`` backend of transformers' fine-grained fp8 experts (``FP8Experts``, the experts of
+    DeepSeek-V3-style fp8 checkpoints): ``fmoe2.fused_moe`` on the e4m3 weights and their block (or
+    per-expert) scales in place, activations quantized inside the kernels (``fmoe2/fp8.py``)."""
+    spec = experts_spec(module)
+    reason = spec.fallback or fp8_call_fallback_reason(module, hidden_states)
+    if reason:
+        return _fallback(module, reason, hidden_states, top_k_index, top_k_weights, _fp8_registry())
+    block = getattr(module, "block_size", None)
+    if not hidden_states.is_contiguous():
+        hidden_states = hidden_states.contiguous()
+    return fused_moe(hidden_states, module.gate_up_proj, module.down_proj, top_k_weights, top_k_index,
+                     activation=spec.activation, gate_up_interleaved=spec.gate_up_interleaved,
+                     swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit,
+                     w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv,
+                     block_shape=tuple(block) if block is not None else None)
+
+
+def _fp8_registry():
+    """transformers' registry of fp8 experts functions (None where this transformers has none)."""
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return ALL_FP8_EXPERTS_FUNCTIONS
+
+
 def register(name: str = BACKEND_NAME) -> str:
-    """Registers the backend under ``name`` in transformers' experts registry (idempotent); returns
-    ``name``. Importing this module registers ``"fmoe2"``."""
+    """Registers the backend under ``name`` in transformers' experts registry and, where transformers has
+    one, its fp8 experts registry (idempotent); returns ``name``. Importing this module registers
+    ``"fmoe2"``."""
     _moe.ExpertsInterface.register(name, fmoe2_experts_forward)
+    fp8_registry = _fp8_registry()
+    if fp8_registry is not None:
+        type(fp8_registry).register(name, fmoe2_fp8_experts_forward)
     return name
 
 
 register()
 
-__all__ = ["register", "fmoe2_experts_forward", "experts_spec", "classify", "check_gate", "ExpertsSpec",
+__all__ = ["register", "fmoe2_experts_forward", "fmoe2_fp8_experts_forward", "experts_spec", "classify", "check_gate", "ExpertsSpec",
            "BACKEND_NAME"]

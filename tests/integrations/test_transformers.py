@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import fmoe2  # noqa: E402
 import fmoe2.integrations.transformers as backend  # noqa: E402  (registers "fmoe2")
 from helpers import DEVICE, rel_error  # noqa: E402
 from tiny_models import FALLBACK, REQUIRED, SUPPORTED, available, build, experts_modules  # noqa: E402
@@ -206,3 +207,69 @@ def test_compiled_model_traces_the_backend_without_graph_breaks(model_type):
     with torch.no_grad():
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(INPUT_IDS.to(DEVICE), use_cache=False)
     assert rel_error(compiled.logits.float(), eager) <= FP32_TOL
+
+
+def _fp8_experts(block_size, seed=0):
+    """transformers' own fine-grained fp8 experts module (what DeepSeek-V3-style fp8 checkpoints load into),
+    tiny, with e4m3 weights quantized from random ones and set to the fmoe2 backend."""
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.moe import use_experts_implementation
+
+    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "fmoe2"
+    cls = use_experts_implementation(experts_class=finegrained.FP8Experts,
+                                     experts_interface=finegrained.ALL_FP8_EXPERTS_FUNCTIONS, has_bias=False,
+                                     has_gate=True)
+    module = cls(config=config, block_size=block_size)
+    gen = torch.Generator().manual_seed(seed)
+    if block_size is None:  # (its scales' layout fits no fmoe2 scheme: left as allocated)
+        return module.to(DEVICE)
+    with torch.no_grad():
+        for name, fan_in in (("gate_up_proj", 256), ("down_proj", 128)):
+            weight = getattr(module, name)
+            q, scale = fmoe2.quantize_fp8_weights(torch.randn(weight.shape, generator=gen) / fan_in ** 0.5, "block",
+                                                  tuple(block_size))
+            assert scale.shape == getattr(module, f"{name}_scale_inv").shape
+            setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
+            setattr(module, f"{name}_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
+    return module.to(DEVICE)
+
+
+@pytest.mark.parametrize("block_size", [[128, 128], [64, 256]], ids=["128x128", "64x256"])
+def test_fp8_experts_of_transformers_run_on_fmoe2(block_size):
+    from fmoe2.fp8 import dequantize_weights, weight_scale_view
+
+    module = _fp8_experts(block_size)
+    if torch.float8_e4m3fn not in backend.target_of(DEVICE).fp8_dtypes:
+        pytest.skip("no fp8 matrix instructions here")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 256, generator=gen).to(DEVICE, dtype)
+    weights, ids = torch.topk(torch.randn(11, 4, generator=gen).softmax(-1), 2)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to grouped_mm would warn
+        with torch.no_grad():
+            out = module(x, ids, weights)
+    block = tuple(block_size)
+    scales = dict(w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv, block_shape=block)
+    same = fmoe2.fused_moe_reference(x, module.gate_up_proj, module.down_proj, weights, ids, **scales)
+    assert rel_error(out, same) <= 1e-2
+    # transformers' own semantics: its dequantized weights in the gated MLP (no activation quantization).
+    w1 = dequantize_weights(module.gate_up_proj, *weight_scale_view("s", scales["w1_scale"], 4, 256, 256, block)[:3])
+    w2 = dequantize_weights(module.down_proj, *weight_scale_view("s", scales["w2_scale"], 4, 256, 128, block)[:3])
+    assert rel_error(out, fmoe2.fused_moe_reference(x.float(), w1, w2, weights, ids)) <= 0.1
+
+
+def test_fp8_experts_fall_back_where_fmoe2_cannot_run_them():
+    module = _fp8_experts([128, 128])
+    x = torch.randn(3, 256, device=DEVICE, dtype=torch.float16)
+    module.activation_scheme = "static"
+    assert "activation_scheme='static'" in backend.fp8_call_fallback_reason(module, x)
+    module.activation_scheme = "dynamic"
+    module.block_size = [128, 64]
+    assert "multiple of 128" in backend.fp8_call_fallback_reason(module, x)
+    # Without a block size transformers keeps one scale per half of gate_up_proj ([E, 2, 1]): no fmoe2 scheme.
+    per_half = _fp8_experts(None)
+    assert "gate_up_proj_scale_inv has shape (4, 2, 1)" in backend.fp8_call_fallback_reason(per_half, x)
