@@ -142,6 +142,40 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: str) -> None:
+    """fmoe2 fp8's speedup over fmoe2 bf16 and over the vLLM-style fp8 baseline against M, one panel per
+    shape, and its fraction of the fp8 memory floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.6 * len(shapes), 3.4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        points = sorted((r["M"], r["speedup_vs_bf16"], r["speedup_vs_baseline"], r["fraction_of_floor"])
+                        for r in rows if r["shape"] == shape)
+        ms = [p[0] for p in points]
+        for column, label in ((1, "over fmoe2 bf16"), (2, "over vLLM-style fp8"), (3, "of the fp8 floor")):
+            ax.plot(ms, [p[column] for p in points], marker="o", label=label)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set(xscale="log", xlabel="M (tokens)", title=shape, ylim=(0, 2.2))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("ratio")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"fmoe2 fp8 ({result['scheme']} scales), {result['device']}, Triton {result['triton']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_path(out_dir: str, scheme: str) -> str:
+    """``misc/<device>_fp8_<scheme>.png`` beside ``misc/bench`` (``out_dir``'s parent)."""
+    misc = os.path.dirname(os.path.abspath(out_dir))
+    return os.path.join(misc, f"{device_config_name()}_fp8_{scheme}.png")
+
+
 def run_fp8_bench(shapes, ms, scheme, out_dir, ceilings, gen, argv=None) -> str:
     """Runs the shapes in turn; the result file is rewritten after each shape (a run cut short keeps
     the shapes it finished)."""
@@ -152,4 +186,8 @@ def run_fp8_bench(shapes, ms, scheme, out_dir, ceilings, gen, argv=None) -> str:
         result["results"] += bench_fp8_shape(name, ALL_SHAPES[name], ms, scheme, ceilings, gen)
         torch.cuda.empty_cache()  # the shape's weights are gone: DeepSeek-V3's need most of an 80 GB GPU
         report = write_result(path, result, markdown)
+    try:
+        plot(result, plot_path(out_dir, scheme))
+    except ImportError:  # matplotlib is optional (the "plot" extra)
+        pass
     return report
