@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, fp8_constexprs, weight_scale_view
+from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
 from .gemm.config import fit_fp8_config, fit_lora_config_to_problem, get_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, deltas_in_stages, fused_kernel_launch, lora_expand_launch,
                             lora_shrink_launch, stage2_kernel_launch)
@@ -53,7 +53,6 @@ TARGET_SHARED_MEMORY = {name: t.shared_memory for name, t in NAMED_TARGETS.items
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
-FP8_SCHEMES = ("block", "channel", "tensor")
 
 
 def _signature(fn, args: dict, constexprs: dict, backend: str):
@@ -215,8 +214,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
     (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
     """
-    if fp8 and fp8 not in FP8_SCHEMES:
-        raise ValueError(f"fp8 must be one of {FP8_SCHEMES} or empty, got {fp8!r}")
+    if fp8 and fp8 not in SCHEMES:
+        raise ValueError(f"fp8 must be one of {SCHEMES} or empty, got {fp8!r}")
     if fp8 and lora_rank:
         raise ValueError("fp8 weights do not take LoRA adapters yet")
     target = TARGETS[target_name]
@@ -329,7 +328,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-loras", type=int, default=4, help="adapters with --lora-rank (default 4)")
     parser.add_argument("--tma", action="store_true", help="configs with tma=True (tensor-descriptor weight loads)")
     parser.add_argument("--pdl", action="store_true", help="configs with pdl=True (programmatic dependent launch)")
-    parser.add_argument("--fp8", default="", choices=("",) + FP8_SCHEMES,
+    parser.add_argument("--fp8", default="", choices=("",) + SCHEMES,
                         help="fp8 weights with scales of this scheme (block-wise: 128 x 128); --dtype is the activations'")
     a = parser.parse_args(argv)
     if a.fp8 and a.lora_rank:

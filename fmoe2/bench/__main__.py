@@ -32,6 +32,7 @@ import torch
 import triton
 
 import fmoe2
+from fmoe2.fp8 import SCHEMES
 from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import forward_launches
 from fmoe2.shapes import ALL_SHAPES, SHAPE_OPTIONS, SHAPES
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
                    help="fp8: fp8 weights against the vLLM-style fp8 baseline and fmoe2's bf16 (fmoe2/bench/fp8.py; "
                         "default shapes then add deepseek-v3)")
-    p.add_argument("--scheme", default="block", choices=("block", "channel", "tensor"),
+    p.add_argument("--scheme", default="block", choices=SCHEMES,
                    help="fp8 weight scales with --dtype fp8 (block: 128 x 128)")
     p.add_argument("--host", action="store_true",
                    help="host cost per call instead (python -m fmoe2.bench.host; --shapes, --out-dir apply)")

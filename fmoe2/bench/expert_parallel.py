@@ -97,9 +97,7 @@ def decode(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     calls = count_fmoe2_calls()
     model = load(args.model_dir, args.backend, dtype, world)
-    device = next(p for p in model.parameters()).device
-    if hasattr(device, "type") and device.type == "meta":
-        device = _rank_device(world)
+    device = _rank_device(world)  # where load() put this rank's share
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     batches = [int(b) for b in args.batch.split(",")]

@@ -164,16 +164,21 @@ def experts_spec(module) -> ExpertsSpec:
     return spec
 
 
-def call_fallback_reason(module, hidden_states) -> str:
-    """Why this call cannot run on fmoe2 although the module can ("" when it can)."""
-    weight = module.gate_up_proj
-    if hidden_states.dtype != weight.dtype:
-        return f"hidden states ({hidden_states.dtype}) and expert weights ({weight.dtype}) differ in dtype"
+def _runtime_fallback_reason(weight, hidden_states) -> str:
+    """What any call needs whatever its weights' format: no gradients, and a GPU or the interpreter."""
     if torch.is_grad_enabled() and (weight.requires_grad or hidden_states.requires_grad):
         return "gradients are required and fmoe2 is inference-only (run under torch.no_grad())"
     if hidden_states.device.type == "cpu" and not interpreter_enabled():
         return "the model is on the CPU (fmoe2's kernels need a GPU, or TRITON_INTERPRET=1)"
     return ""
+
+
+def call_fallback_reason(module, hidden_states) -> str:
+    """Why this call cannot run on fmoe2 although the module can ("" when it can)."""
+    weight = module.gate_up_proj
+    if hidden_states.dtype != weight.dtype:
+        return f"hidden states ({hidden_states.dtype}) and expert weights ({weight.dtype}) differ in dtype"
+    return _runtime_fallback_reason(weight, hidden_states)
 
 
 def fp8_call_fallback_reason(module, hidden_states) -> str:
@@ -197,11 +202,7 @@ def fp8_call_fallback_reason(module, hidden_states) -> str:
         return f"this device's matrix instructions do not take {weight.dtype}"
     if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"hidden states of dtype {hidden_states.dtype}"
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
-        return "gradients are required and fmoe2 is inference-only (run under torch.no_grad())"
-    if hidden_states.device.type == "cpu" and not interpreter_enabled():
-        return "the model is on the CPU (fmoe2's kernels need a GPU, or TRITON_INTERPRET=1)"
-    return ""
+    return _runtime_fallback_reason(weight, hidden_states)
 
 
 _warned = set()

@@ -277,3 +277,29 @@ def test_prepared_e4m3fnuz_weights_give_the_e4m3fn_forward():
     assert rel_error(out, fmoe2.fused_moe_reference(x.float(), *unquantized, tw, ti)) <= UNQUANTIZED_TOL
     with pytest.raises(ValueError, match="fp8_dtype goes with fp8 weights"):
         prepare_weights(w1.to(x.dtype), w2.to(x.dtype), fp8_dtype=torch.float8_e4m3fnuz)
+
+
+@pytest.mark.parametrize("shape,expected", [
+    # (E, H, I, topk): the path of M = 1, 16, 128, 1024, 4096 (H100: 132 multiprocessors), as measured best
+    ((128, 2048, 768, 8), ["two_stage", "fused", "fused", "two_stage", "two_stage"]),  # Qwen3: 48 adds
+    ((64, 2048, 1408, 6), ["two_stage"] * 5),  # DeepSeek-V2-Lite: 66 adds per output element
+    ((8, 4096, 14336, 2), ["two_stage"] * 5),  # Mixtral: 224
+])
+def test_fp8_auto_path_follows_its_rule(shape, expected):
+    from fmoe2.gemm.config import fit_fp8_config, fp8_prefers_two_stage, get_config
+
+    E, H, I, topk = shape
+    paths = []
+    for M in (1, 16, 128, 1024, 4096):
+        fused = fit_fp8_config(get_config(M, E, H, I, topk, torch.bfloat16, path="fused", backend="cuda", tuned=False), 2)
+        paths.append("two_stage" if fp8_prefers_two_stage(fused, M, E, I, topk, 132) else "fused")
+    assert paths == expected
+
+
+@pytest.mark.parametrize("block_shape,match", [((128,), "pair of positive ints"), ((0, 128), "pair of positive ints"),
+                                               ((128, 96), "multiple of 128"), ("128x128", "pair of positive ints")])
+def test_fp8_block_shape_is_checked(block_shape, match):
+    from fmoe2.fp8 import check_block_shape
+
+    with pytest.raises(ValueError, match=match):
+        check_block_shape(block_shape)
