@@ -9,6 +9,8 @@ the fused path; a three-launch two-stage path where it measures faster).
   kernels: :mod:`fmoe2.fp8` (:func:`quantize_fp8_weights` makes them from 16-bit weights);
 * :class:`MoELoRA` / :func:`prepare_lora` - multi-LoRA adapters (inside the fused kernel; on the two-stage path
   inside the stages at decode sizes, else beside them);
+* :func:`set_deterministic` - deterministic, batch-invariant mode for every call (or ``fused_moe(...,
+  deterministic=True)`` per call);
 * :mod:`fmoe2.reference` - pure-torch references of both ops;
 * ``torch.ops.fmoe2.fused_moe`` / ``torch.ops.fmoe2.moe_sorting`` - the same ops for
   ``torch.compile`` (:mod:`fmoe2.ops`; the functions above route to them while being traced).
@@ -18,6 +20,7 @@ layout, launches bound to their compiled kernels): :func:`clear_plan_cache` drop
 """
 from .gemm import (FusedMoEConfig, MoELoRA, PreparedMoELoRA, PreparedMoEWeights, fused_moe, get_config, prepare_lora,
                    prepare_weights)
+from .determinism import deterministic_enabled, set_deterministic
 from .fp8 import quantize_weights as quantize_fp8_weights
 from .reference import fused_moe_reference, moe_sorting_reference
 from .sorting import MoESortingResult, moe_sorting
@@ -49,4 +52,6 @@ __all__ = [
     "fused_moe_reference",
     "moe_sorting_reference",
     "clear_plan_cache",
+    "set_deterministic",
+    "deterministic_enabled",
 ]

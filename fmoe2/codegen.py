@@ -1,7 +1,7 @@
 """Code-generation report: compile fmoe2's kernels for a GPU that is not there and read the code.
 
     python -m fmoe2.codegen --target {sm_80,sm_90,sm_100,gfx90a,gfx942,gfx950} [--shape E,H,I,topk] [--m 1,4096]
-                            [--lora-rank 16 --num-loras 4] [--fp8 {block,channel,tensor}]
+                            [--lora-rank 16 --num-loras 4] [--fp8 {block,channel,tensor}] [--deterministic]
 
 For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
 AMD), spills, shared memory / LDS bytes, the matrix instructions found and the instructions the
@@ -33,9 +33,10 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
-from .gemm.config import fit_fp8_config, fit_lora_config_to_problem, get_config
-from .gemm.launches import (MoEProblem, TwoStageWorkspace, deltas_in_stages, fused_kernel_launch, lora_expand_launch,
-                            lora_shrink_launch, stage2_kernel_launch)
+from .gemm.config import deterministic_config, fit_fp8_config, fit_lora_config_to_problem, get_config
+from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, deltas_in_stages,
+                            forward_specs, fused_kernel_launch, lora_expand_launch, lora_shrink_launch,
+                            stage2_kernel_launch)
 from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
 from .launch import LaunchSpec
@@ -198,7 +199,8 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
 
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
-                   num_loras: int = 4, tma: bool = False, pdl: bool = False, fp8: str = "") -> List[dict]:
+                   num_loras: int = 4, tma: bool = False, pdl: bool = False, fp8: str = "",
+                   deterministic: bool = False) -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always
@@ -213,6 +215,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     with ``pdl=True`` (programmatic dependent launch). ``fp8`` ("block", "channel" or "tensor"): fp8
     weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
     (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
+    ``deterministic``: instead, the launches of deterministic mode (``deterministic_sort``,
+    ``deterministic_stage1``, ``deterministic_stage2``, ``deterministic_combine``), with adapters of
+    ``lora_rank`` where given.
     """
     if fp8 and fp8 not in SCHEMES:
         raise ValueError(f"fp8 must be one of {SCHEMES} or empty, got {fp8!r}")
@@ -265,6 +270,26 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
                        torch.empty(M, -(-H // FP8_GROUP), dtype=torch.float32, **meta))
         x_quantization = x_quantization_values(x, *quantized_x, fp8_constexprs(weight_dtype, interpreter=False))
     reports = []
+    if deterministic:
+        config = deterministic_config(M, E, H, inter, topk, dtype, cuda_arch=named.cuda_arch, lora=bool(lora_rank),
+                                      fp8=bool(fp8), **pick)
+        if fp8:
+            config = fit_fp8_config(config, x.element_size(), named.shared_memory)
+        problem.deterministic = True
+        if lora_rank:
+            problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
+            problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
+            common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
+            config = fit_lora_config_to_problem(config, M, E, H, inter, topk, dtype, named.num_sms, backend,
+                                                named.shared_memory, in_stages=True)
+        sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
+                                            count_lora_tokens=problem.lora is not None)
+        workspace = TwoStageWorkspace.allocate(problem, sorting, config, named)
+        for spec in forward_specs(problem, topk_weights, topk_ids, activation, x, None, config, named, sorting,
+                                  workspace, quantized_x):
+            reports.append({"kernel": "deterministic_" + spec.name, **common, "config": config.to_dict(),
+                            **_compile_spec(spec, target)})
+        return reports
 
     def sort_reports(name, sorting, **lora_args):
         for spec in sort_launch_specs(topk_ids, topk_weights, E, None, sorting, x, launch_dependents=pdl,
@@ -275,9 +300,14 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
 
     sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
     sort_reports("moe_sorting", sorting)
+    # The fused path's atomic adds go to a float32 accumulator where accumulates_fp32 says so; a cast follows.
+    fused_out = torch.empty(M, H, dtype=torch.float32, **meta) if accumulates_fp32(problem, fused_config) else x
     reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
-                    **_compile_spec(fused_kernel_launch(problem, x, sorting, activation, fused_config, named,
+                    **_compile_spec(fused_kernel_launch(problem, fused_out, sorting, activation, fused_config, named,
                                                         quantized_x=quantized_x), target)})
+    if fused_out is not x:
+        reports.append({"kernel": "cast", **common, **_compile_spec(combine_launch(problem, x, fused_out, None, None),
+                                                                    target)})
     suffix = ""
     if lora_rank:
         problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
@@ -289,7 +319,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         sort_reports("moe_sorting_lora", sorting, token_lora_ids=problem.token_lora_ids, num_loras=num_loras)
         reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
-                        **_compile_spec(fused_kernel_launch(problem, x, sorting, activation, lora_config, named),
+                        **_compile_spec(fused_kernel_launch(problem, fused_out if accumulates_fp32(problem, lora_config)
+                                                            else x, sorting, activation, lora_config, named),
                                         target)})
     if config.path == "two_stage":
         if problem.lora is not None:  # the stages as fused_moe runs them with adapters (lora_in_stages)
@@ -330,6 +361,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pdl", action="store_true", help="configs with pdl=True (programmatic dependent launch)")
     parser.add_argument("--fp8", default="", choices=("",) + SCHEMES,
                         help="fp8 weights with scales of this scheme (block-wise: 128 x 128); --dtype is the activations'")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the launches of deterministic mode instead (fused_moe(..., deterministic=True))")
     a = parser.parse_args(argv)
     if a.fp8 and a.lora_rank:
         parser.error("--fp8 does not take --lora-rank: fp8 weights take no LoRA adapters yet")
@@ -349,7 +382,7 @@ def main(argv=None) -> int:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
         for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
-                                     a.num_loras, a.tma, a.pdl, a.fp8):
+                                     a.num_loras, a.tma, a.pdl, a.fp8, a.deterministic):
             print(json.dumps(report))
     return 0
 

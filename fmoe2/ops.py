@@ -31,7 +31,8 @@ _LIB.define(
     "Tensor? expert_map, str path, str config, int prepared_hidden_size, int prepared_intermediate_size, "
     "Tensor? lora_a13, Tensor? lora_b13, Tensor? lora_a2, Tensor? lora_b2, Tensor? lora_scaling, int lora_rank, "
     "Tensor? token_lora_ids, Tensor? w1_bias, Tensor? w2_bias, bool gate_up_interleaved, float swiglu_alpha, "
-    "float? swiglu_limit, Tensor? w1_scale=None, Tensor? w2_scale=None, int[]? block_shape=None) -> Tensor")
+    "float? swiglu_limit, Tensor? w1_scale=None, Tensor? w2_scale=None, int[]? block_shape=None, "
+    "bool deterministic=False) -> Tensor")
 _LIB.define(
     "moe_sorting(Tensor topk_ids, Tensor topk_weights, int num_experts, int block_m, Tensor(a!)? out, "
     "Tensor? expert_map) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
@@ -40,7 +41,7 @@ _LIB.define(
 def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, path, config,
                     prepared_hidden_size, prepared_intermediate_size, lora_a13, lora_b13, lora_a2, lora_b2,
                     lora_scaling, lora_rank, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha,
-                    swiglu_limit, w1_scale=None, w2_scale=None, block_shape=None):
+                    swiglu_limit, w1_scale=None, w2_scale=None, block_shape=None, deterministic=False):
     from .gemm.fused_moe import fused_moe
 
     block_shape = tuple(block_shape) if block_shape is not None else None
@@ -56,7 +57,7 @@ def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, e
                      config=FusedMoEConfig.from_dict(json.loads(config)) if config else None, path=path, lora=lora,
                      token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
                      gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                     w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape)
+                     w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape, deterministic=deterministic)
 
 
 def _fused_moe_fake(hidden_states, *args):
@@ -95,9 +96,9 @@ torch.library.register_fake("fmoe2::moe_sorting", _moe_sorting_fake, lib=_LIB)
 def fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
                       config: Optional[FusedMoEConfig] = None, path="auto", lora=None, token_lora_ids=None,
                       w1_bias=None, w2_bias=None, gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA,
-                      swiglu_limit=None, w1_scale=None, w2_scale=None, block_shape=None):
+                      swiglu_limit=None, w1_scale=None, w2_scale=None, block_shape=None, deterministic=False):
     """``fmoe2.fused_moe``'s arguments passed to ``torch.ops.fmoe2.fused_moe`` (what it runs while
-    ``torch.compile`` traces it); ``out`` is then filled by a copy."""
+    ``torch.compile`` traces it; ``deterministic`` resolved already); ``out`` is then filled by a copy."""
     prepared_h = prepared_i = 0
     if isinstance(w1, PreparedMoEWeights):
         if any(t is not None for t in (w1_bias, w2_bias, w1_scale, w2_scale, block_shape)):
@@ -116,7 +117,7 @@ def fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, *, activati
                                        *lora_tensors, lora_rank, token_lora_ids, w1_bias, w2_bias,
                                        gate_up_interleaved, float(swiglu_alpha),
                                        float(swiglu_limit) if swiglu_limit is not None else None, w1_scale, w2_scale,
-                                       list(block_shape) if block_shape is not None else None)
+                                       list(block_shape) if block_shape is not None else None, bool(deterministic))
     if out is None:
         return result
     out.copy_(result)

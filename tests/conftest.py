@@ -37,3 +37,13 @@ def fresh_plans():
     fmoe2.clear_plan_cache()
     yield
     fmoe2.clear_plan_cache()
+
+
+@pytest.fixture
+def deterministic_off():
+    """Restores the global switches of deterministic mode that a test turns on."""
+    import fmoe2
+
+    yield
+    fmoe2.set_deterministic(False)
+    torch.use_deterministic_algorithms(False)

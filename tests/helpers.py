@@ -7,6 +7,14 @@ import fmoe2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# (M, E, H, I, topk) of the small forwards every mode is checked on against the reference.
+SMALL_PROBLEMS = [
+    (1, 4, 64, 32, 2),
+    (7, 3, 40, 24, 3),  # H, I not multiples of 16, E not a power of two
+    (33, 5, 72, 56, 1),
+    (19, 10, 24, 20, 8),
+]
+
 # Relative L2 error bound vs the float64 reference per dtype: fp32 is exact up to summation
 # order; fp16/bf16 round the intermediate y to the input dtype and add topk*ceil(I/BLOCK_N)
 # partials into the output in that dtype.

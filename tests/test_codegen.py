@@ -36,17 +36,21 @@ def no_spills(r):
 
 
 @pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b"])
-def test_sm90_wgmma_native_bf16_atomics_no_spills(shape):
+def test_sm90_wgmma_native_vector_atomics_no_spills(shape):
     r = codegen("sm_90", shape, "1,4096")
     assert r[("fused_moe", 4096)]["wgmma"], r[("fused_moe", 4096)]["matrix_instructions"]
     for key, rep in r.items():
         assert no_spills(rep), (key, rep)
-    atomic_kernels = [rep for (kernel, _), rep in r.items() if kernel in ("fused_moe", "moe_stage2")]
     assert ("moe_stage2", 4096) in r  # large batches use the two-stage path by default
-    for rep in atomic_kernels:
+    for (kernel, _), rep in r.items():
+        if kernel not in ("fused_moe", "moe_stage2"):
+            continue
         assert rep["atomic_instructions"] and not rep["cas_loop"], rep["atomic_instructions"]
-        assert all("BF16" in op for op in rep["atomic_instructions"])
+        # The fused path adds into its float32 accumulator (accumulates_fp32), stage 2 into the bf16 output.
+        width = "F32x4" if kernel == "fused_moe" else "BF16x"
+        assert all(width in op for op in rep["atomic_instructions"]), (kernel, rep["atomic_instructions"])
         assert rep["registers"] <= 255
+    assert not r[("cast", 1)]["atomic_instructions"]
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])
@@ -56,18 +60,22 @@ def test_rocm_mfma_native_bf16_atomics_no_spills(target):
         assert no_spills(rep), (key, rep)
         assert rep["lds_bytes"] <= (64 if target == "gfx942" else 160) * 1024
     for (kernel, M), rep in r.items():
-        if kernel == "moe_sorting":
+        if kernel in ("moe_sorting", "cast"):
             continue
         assert rep["mfma"], rep
         if kernel != "fused_moe_stage1":
             assert rep["atomic_instructions"] and not rep["cas_loop"]
-            assert all("pk_add_bf16" in op for op in rep["atomic_instructions"])
+            # The fused path adds into its float32 accumulator (accumulates_fp32), stage 2 into the bf16 output.
+            kind = "add_f32" if kernel == "fused_moe" else "pk_add_bf16"
+            assert all(kind in op for op in rep["atomic_instructions"]), (kernel, rep["atomic_instructions"])
 
 
 def test_sm80_lowers_bf16_atomics_to_a_cas_loop():
-    # Documented: Ampere has no native bf16 atomic add; the report must say so, not hide it.
-    r = codegen("sm_80", "qwen3-30b-a3b", "16")
-    assert r[("fused_moe", 16)]["cas_loop"]
+    # Documented: Ampere has no native bf16 atomic add; the report must say so, not hide it. Stage 2 adds
+    # bf16; the fused path's float32 accumulator takes native float32 adds.
+    r = codegen("sm_80", "qwen3-30b-a3b", "16,4096")
+    assert r[("moe_stage2", 4096)]["cas_loop"]
+    assert not r[("fused_moe", 16)]["cas_loop"] and r[("fused_moe", 16)]["atomic_instructions"]
     assert any(k.startswith("HMMA") for k in r[("fused_moe", 16)]["matrix_instructions"])
 
 
@@ -439,3 +447,21 @@ def test_fp8_kernels_use_fp8_matrix_instructions_without_spills(target):
         assert no_spills(rep), rep
         if kernel != "moe_sorting" and kernel != "moe_sorting_count":
             assert any(name.startswith(FP8_MATRIX[target]) for name in rep["matrix_instructions"]), rep
+
+
+@pytest.mark.parametrize("target,flags", [("sm_90", ()), ("gfx942", ()), ("gfx950", ()), ("sm_90", ("--lora-rank", "16")),
+                                          ("gfx942", ("--lora-rank", "16")), ("sm_90", ("--fp8", "block"))])
+def test_deterministic_launches_compile_without_atomics_or_spills(target, flags):
+    # Deterministic mode: one writer per element everywhere (stage 2 stores slot rows, the combine sums them).
+    reports = codegen(target, "qwen3-30b-a3b", "1,4096", "--deterministic", *flags)
+    names = {kernel for kernel, _ in reports}
+    assert {"deterministic_sort", "deterministic_stage1", "deterministic_stage2", "deterministic_combine"} <= names
+    for (kernel, M), r in reports.items():
+        assert not r["atomic_instructions"], (kernel, M, r["atomic_instructions"])
+        assert no_spills(r), (kernel, M, r)
+        if kernel in ("deterministic_stage1", "deterministic_stage2"):
+            assert r["matrix_instructions"], (kernel, M)
+    configs = [reports["deterministic_stage1", M]["config"] for M in (1, 4096)]
+    assert all(c["path"] == "two_stage" and c["S2_SPLIT_K"] == 1 for c in configs)
+    # One tiling for every M, but on sm_90 for 16-bit weights without adapters (deterministic_config).
+    assert (configs[0] == configs[1]) == (target != "sm_90" or bool(flags)), configs

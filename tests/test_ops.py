@@ -2,6 +2,7 @@
 torch.compile(fullgraph=True) tracing through fmoe2.fused_moe and fmoe2.moe_sorting without a graph
 break. On the CPU the compiled graph runs under aot_eager (the kernels under the Triton interpreter);
 Inductor and CUDA graphs are checked on the GPU (tests/test_gpu.py)."""
+import importlib
 import pytest
 import torch
 
@@ -104,3 +105,25 @@ def test_compiled_call_fills_out_and_sorts():
     assert_matches_reference(out, x, w1, w2, tw, ti)
     expected = fmoe2.moe_sorting(ti, tw, 4, 16)
     assert torch.equal(token_ids, expected.sorted_token_ids) and torch.equal(tiles, expected.num_sorted_tiles)
+
+
+def test_compiled_module_takes_the_deterministic_switch_when_traced(deterministic_off, monkeypatch):
+    # fmoe2.set_deterministic(True) before torch.compile traces a module that calls fused_moe without the
+    # argument: the traced op runs deterministic mode (its launches end with the combine), bitwise as eagerly.
+    fm = importlib.import_module("fmoe2.gemm.launches")  # the launch descriptions
+
+    names = []
+    real = fm.forward_specs
+    monkeypatch.setattr(fm, "forward_specs", lambda *a: (lambda specs: names.extend(s.name for s in specs) or specs)(
+        real(*a)))
+    torch._dynamo.reset()
+    block = MoEBlock()
+    x = make_problem(11, 4, 40, 24, 2, torch.float16, seed=5)[0]
+    fmoe2.set_deterministic(True)
+    with torch.no_grad():
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x)
+        assert names and names[-1] == "combine" and "fused" not in names
+        weights, ids = block.routing(x)
+        eager = x + fused_moe(x, *block.weights, weights, ids, config=SMALL, deterministic=True)
+    assert torch.equal(compiled, eager)
+    assert_matches_reference(compiled - x, x, block.w1, block.w2, weights, ids)

@@ -4,6 +4,7 @@
                           [--m 1,16,128,1024,4096] [--no-search] [--update] [--out-dir misc/bench]
     python -m fmoe2.bench --lora [--rank 16] [--num-loras 4] [--search]     (see fmoe2/bench/lora.py)
     python -m fmoe2.bench --dtype fp8 [--scheme block|channel|tensor]       (see fmoe2/bench/fp8.py)
+    python -m fmoe2.bench --deterministic [--candidates]                     (see fmoe2/bench/deterministic.py)
 
 Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
 get their best config from the same grid of tiles, warps and stages (``fmoe2/bench/search.py``;
@@ -99,17 +100,24 @@ def try_vllm():
     return fused_experts
 
 
-def bench_shape(name, shape, ms, do_search, ceilings, gen):
+def make_weights(name, shape, gen):
+    """Random bf16 expert weights of a benchmark shape: ``w1 [E, 2I, H]``, ``w2 [E, H, I]``, the shape's
+    own computation (``SHAPE_OPTIONS``: activation, clamp) as ``fused_moe`` keywords, its biases (a dict
+    of ``w1_bias``/``w2_bias``, or empty) and the weights prepared with them."""
     E, H, I, topk = shape
     w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
-    # The shape's own computation (SHAPE_OPTIONS): activation, clamp, biases (fused_moe and the baseline take them).
     options = dict(SHAPE_OPTIONS.get(name, {}))
     biases = {}
     if options.pop("biases", False):
         biases = dict(w1_bias=torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1,
                       w2_bias=torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1)
-    prepared = fmoe2.prepare_weights(w1, w2, **biases)
+    return w1, w2, options, biases, fmoe2.prepare_weights(w1, w2, **biases)
+
+
+def bench_shape(name, shape, ms, do_search, ceilings, gen):
+    E, H, I, topk = shape
+    w1, w2, options, biases, prepared = make_weights(name, shape, gen)
     vllm_fused_experts = try_vllm()
     rows = []
     for M in ms:
@@ -207,6 +215,11 @@ def main(argv=None) -> int:
                         "default shapes then add deepseek-v3)")
     p.add_argument("--scheme", default="block", choices=SCHEMES,
                    help="fp8 weight scales with --dtype fp8 (block: 128 x 128)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic mode against the default forward and the vLLM-style path: times, errors, "
+                        "reproducibility (results under <out-dir>/deterministic)")
+    p.add_argument("--candidates", action="store_true",
+                   help="with --deterministic: also time other fixed tilings for deterministic mode")
     p.add_argument("--host", action="store_true",
                    help="host cost per call instead (python -m fmoe2.bench.host; --shapes, --out-dir apply)")
     a = p.parse_args(argv)
@@ -244,6 +257,13 @@ def main(argv=None) -> int:
                 ceilings=ceilings)
     print(f"{device}: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    if a.deterministic:
+        from .deterministic import run_deterministic_bench
+
+        if a.lora or a.dtype != "bf16" or a.shape:
+            p.error("--deterministic runs the named bf16 shapes (--shapes), without --lora")
+        print(run_deterministic_bench(list(shapes), ms, a.out_dir, gen, a.candidates, argv))
+        return 0
     if a.dtype == "fp8":
         from .fp8 import run_fp8_bench
 

@@ -29,7 +29,7 @@ from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import plan_of
 from fmoe2.shapes import ALL_SHAPES
 
-from .provenance import run_record, write_result
+from .provenance import provenance_line, run_record, write_result
 from .timing import time_in_graph
 from .vllm_style import GroupedGemmConfig, vllm_style_fused_experts_fp8
 
@@ -122,7 +122,7 @@ def bench_fp8_shape(name, shape, ms, scheme, ceilings, gen):
 
 def markdown(result: dict) -> str:
     lines = [f"# fp8 MoE forward ({result['scheme']} scales): {result['device']}", "",
-             f"{result['date']}, torch {result['torch']}, Triton {result['triton']}; `{result['command']}`", "",
+             provenance_line(result), "",
              "Microseconds per forward in CUDA graphs; fmoe2 fp8 on prepared weights (`path=\"auto\"`, and each path "
              "forced); the vLLM-style fp8 baseline quantizes activations in separate launches; fmoe2 bf16 runs the "
              "unquantized weights. Floor: fp8 bytes of the experts hit + scales + activations over the measured copy "

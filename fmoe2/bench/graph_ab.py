@@ -23,7 +23,7 @@ import fmoe2
 from fmoe2.gemm.config import device_config_name
 from fmoe2.shapes import SHAPES
 
-from .provenance import rewrite_report, run_record, write_result
+from .provenance import provenance_line, rewrite_report, run_record, write_result
 from .timing import time_interleaved
 
 
@@ -40,7 +40,7 @@ def import_copy(path: str, name: str = "fmoe2_other"):
 def markdown(result: dict) -> str:
     rows = result["rows"]
     lines = [f"# CUDA-graph time, this tree against another copy of fmoe2: {result['device']}", "",
-             f"{result['date']}, torch {result['torch']}, Triton {result['triton']}; `{result['command']}`", "",
+             provenance_line(result), "",
              "Each forward with the config its own get_config picks, both taking turns in every round; us per call "
              "(median).", "", "| shape | M | this | other | this / other |", "|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['M']} | {r['this_us']:.1f} | {r['other_us']:.1f} | {r['ratio']:.3f} |"

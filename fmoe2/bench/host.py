@@ -38,7 +38,7 @@ from fmoe2.gemm.config import device_config_name
 from fmoe2.launch import LaunchSpec, bind_launches, raw_stream, set_launch_mode
 from fmoe2.shapes import SHAPES
 
-from .provenance import run_record, write_result
+from .provenance import provenance_line, run_record, write_result
 from .timing import time_in_graph
 
 # Back-to-back calls per round: few enough that the GPU's launch queue never fills (at Mixtral M=1 a forward
@@ -212,7 +212,7 @@ def compiled_module_costs(name, shape, M, gen) -> dict:
 def markdown(result: dict) -> str:
     ref = result["references"]
     lines = [f"# Host cost per call: {result['device']}", "",
-             f"{result['date']}, torch {result['torch']}, Triton {result['triton']}; `{result['command']}`", "",
+             provenance_line(result), "",
              "| reference | host us per call |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in ref.items()]
     lines += ["", "Host us per call (plans launching directly / every launch through Triton's JIT), bf16, "

@@ -22,6 +22,11 @@ def run_record(prog: str, argv: Optional[Sequence[str]] = None) -> dict:
                 command=" ".join([prog, *(shlex.quote(v) for v in args)]))
 
 
+def provenance_line(result: dict) -> str:
+    """The report line that says where a result came from: date, versions and the command."""
+    return f"{result['date']}, torch {result['torch']}, Triton {result['triton']}; `{result['command']}`"
+
+
 def write_result(path: str, result: dict, markdown: Callable[[dict], str]) -> str:
     """Writes ``result`` to ``path`` (``.json``) and its report beside it (``.md``); returns the report."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

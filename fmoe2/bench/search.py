@@ -111,6 +111,18 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     return out
 
 
+def deterministic_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
+    """Configs tried for deterministic mode (``fmoe2.tune --deterministic``): :func:`fmoe2_candidates` as
+    deterministic mode runs them, on the two-stage path without K shares (duplicates removed)."""
+    seen, out = set(), []
+    for cfg in fmoe2_candidates(M, E, H, I, topk, dtype):
+        cfg = fit_config(dataclasses.replace(cfg, path="two_stage", S2_SPLIT_K=1), H, I, topk, dtype, "two_stage")
+        if cfg not in seen:
+            seen.add(cfg)
+            out.append(cfg)
+    return out
+
+
 TMA_TWINS = 3  # fastest pointer-load configs retried with tensor-descriptor loads
 
 
@@ -120,12 +132,15 @@ def cuda_sm90_or_newer() -> bool:
 
 
 def search_fmoe2(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
-                 run: Callable[[FusedMoEConfig], Callable[[], object]], label: str = ""):
-    """:func:`search` over :func:`fmoe2_candidates`; then, on sm_90 and newer, over the ``tma=True``
+                 run: Callable[[FusedMoEConfig], Callable[[], object]], label: str = "",
+                 candidates: Optional[List[FusedMoEConfig]] = None):
+    """:func:`search` over ``candidates`` (default :func:`fmoe2_candidates`); then, on sm_90 and newer, over the ``tma=True``
     twins of the TMA_TWINS fastest and the ``pdl=True`` twin of the best so far (so the picked config
     says whether tensor descriptors and programmatic dependent launch pay).
     Returns (best, its time in us, all results)."""
-    best, us, results = search(fmoe2_candidates(M, E, H, I, topk, dtype), run, label)
+    if candidates is None:
+        candidates = fmoe2_candidates(M, E, H, I, topk, dtype)
+    best, us, results = search(candidates, run, label)
     if cuda_sm90_or_newer():
         fastest = [cfg for cfg, _ in sorted(results, key=lambda r: r[1])[:TMA_TWINS]]
         # Twins that fail (e.g. out of shared memory) are skipped like any candidate; none may run.

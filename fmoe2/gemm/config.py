@@ -102,6 +102,10 @@ class FusedMoEConfig:
     # Stage-2 programs per output tile, each over a share of I (more, shorter programs; S2_SPLIT_K
     # times the atomic adds per output element).
     S2_SPLIT_K: int = 1
+    # The atomic adds go to a float32 accumulator [M, H] (zeroed by the sort) that one more launch casts to
+    # the output dtype: one rounding of each output element instead of one per add. None: the rule of
+    # fmoe2/gemm/launches.py's accumulates_fp32 (on the fused path with 16-bit weights and outputs).
+    accumulate_fp32: Optional[bool] = None
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -118,6 +122,8 @@ class FusedMoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"config {name} must be an int >= 1, got {v!r}")
+        if self.accumulate_fp32 is not None and not isinstance(self.accumulate_fp32, bool):
+            raise ValueError(f"config accumulate_fp32 must be a bool or None, got {self.accumulate_fp32!r}")
         if self.lora_num_stages is not None and (not isinstance(self.lora_num_stages, int) or self.lora_num_stages < 1):
             raise ValueError(f"config lora_num_stages must be None or an int >= 1, got {self.lora_num_stages!r}")
         # Made once: torch.compile traces to_json() as a constant (it cannot trace json.dumps), and the
@@ -201,7 +207,8 @@ def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: 
 
 def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
                                num_sms: int, backend: Optional[str] = None,
-                               shared_memory: int = DEFAULT_SHARED_MEMORY) -> FusedMoEConfig:
+                               shared_memory: int = DEFAULT_SHARED_MEMORY,
+                               in_stages: Optional[bool] = None) -> FusedMoEConfig:
     """:func:`fit_lora_config` for a problem's grid on ``num_sms`` multiprocessors with
     ``shared_memory`` bytes per program.
 
@@ -211,9 +218,11 @@ def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: i
     whatever its width, so narrow slices multiply that traffic. Where the two stages carry the
     adapter work (:func:`lora_in_stages`) stage 1's slices are widened likewise (no atomic adds to
     cap there), then fitted (measurements: docs/lora.md#slices-of-at-least-128-columns).
+    ``in_stages``: None for :func:`lora_in_stages`'s rule; deterministic mode passes True.
     """
     one_wave = fused_grid_fits_one_wave(cfg, M, E, I, topk, num_sms)
-    in_stages = lora_in_stages(cfg, M, E, topk)
+    if in_stages is None:
+        in_stages = lora_in_stages(cfg, M, E, topk)
     if cfg.path == "fused" and cfg.BLOCK_N < LORA_MIN_BLOCK_N and not one_wave:
         cfg = fit_config(cfg, H, I, topk, dtype, backend=backend, min_block_n=LORA_MIN_BLOCK_N,
                          shared_memory=shared_memory)
@@ -468,6 +477,8 @@ def get_config(
     config_dir: str = CONFIG_DIR,
     tuned: bool = True,
     lora: bool = False,
+    deterministic: bool = False,
+    cuda_arch: Optional[int] = None,
 ) -> FusedMoEConfig:
     """Picks the fused-kernel config for one problem (see the module docstring).
 
@@ -477,12 +488,67 @@ def get_config(
     skips tuned files: the shipped defaults, as on a GPU without a tuned file for the shape.
     ``lora=True``: the config for a forward with adapters, on the plain pick's path, passed through
     :func:`fit_lora_config_to_problem`.
+    ``deterministic=True``: the config of deterministic mode (:func:`deterministic_config`; ``cuda_arch``,
+    e.g. 90, for a CUDA GPU that is not there), with adapters fitted with their deltas in the stages.
     """
-    cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned)
+    if deterministic:
+        if path not in ("auto", "two_stage"):
+            raise ValueError(f"deterministic mode runs the two-stage kernels: path must be 'auto' or 'two_stage', "
+                             f"got {path!r}")
+        cfg = deterministic_config(M, E, H, I, topk, dtype, device=device, backend=backend, arch=arch,
+                                   cuda_arch=cuda_arch, config_dir=config_dir, tuned=tuned, lora=lora)
+    else:
+        cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned)
     if not lora:
         return cfg
     target = target_of(device)
-    return fit_lora_config_to_problem(cfg, M, E, H, I, topk, dtype, target.num_sms, backend, target.shared_memory)
+    return fit_lora_config_to_problem(cfg, M, E, H, I, topk, dtype, target.num_sms, backend, target.shared_memory,
+                                      in_stages=True if deterministic else None)
+
+
+def deterministic_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, *,
+                         device: Optional[torch.device] = None, backend: Optional[str] = None,
+                         arch: Optional[str] = None, cuda_arch: Optional[int] = None, config_dir: str = CONFIG_DIR,
+                         tuned: bool = True, lora: bool = False, fp8: bool = False) -> FusedMoEConfig:
+    """The config of deterministic mode: always the two-stage path with ``S2_SPLIT_K=1`` (no K shares to
+    add), and a tiling under which a token's row has the same bits whatever M is (batch invariance).
+
+    The tiling decides the order of a row's additions only through what it hands the matrix instructions:
+    the K loop chains them in K order whatever the tile sizes. On the GPUs listed under
+    ``"tiling_free_cuda_archs"`` in the ``"deterministic"`` section of ``configs/defaults.json`` a row's
+    bits were measured not to depend on the tiling (H100, sm_90: tiles of 16 to 128 rows, mma and wgmma,
+    BLOCK_K 32 to 128, 2 to 8 warps, the tuned configs; docs/numerics.md#deterministic-mode): there a
+    forward with 16-bit weights and no adapters takes the tuned config of the nearest batch size: one
+    tuned for deterministic mode (a tuned file's ``"deterministic"`` entry, ``python -m fmoe2.tune
+    --deterministic``), else the file's plain one on the two-stage path; without a tuned file the two-stage
+    pick of the default rules (:func:`get_config`). Everywhere else, and with adapters (stage 2 sums
+    the slices' partial down shrinks, as many as stage 1's slices, in steps of a size set by BLOCK_M) or
+    fp8 weights (not measured), one config for every M: the backend's entry in that section.
+    ``cuda_arch`` (e.g. 90): of a CUDA GPU that is not there (``fmoe2.codegen``); default the device's."""
+    foreign = (backend is not None and backend != current_backend()) or arch is not None
+    backend = backend or current_backend()
+    defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
+        os.path.join(CONFIG_DIR, "defaults.json"))
+    rules = defaults["deterministic"]
+    if cuda_arch is None and backend == "cuda" and not foreign:
+        cuda_arch = target_of(device).cuda_arch
+    shared_memory = DEFAULT_SHARED_MEMORY if foreign else target_of(device).shared_memory
+    if backend == "cuda" and cuda_arch in rules["tiling_free_cuda_archs"] and not lora and not fp8:
+        tuned_file = None if foreign or not tuned else _load_json(
+            os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
+        # The batch sizes tuned for deterministic mode, and the others of the file as two-stage configs.
+        entries = {int(m): c for m, c in (tuned_file or {}).items() if m.isdigit()}
+        entries.update({int(m): c for m, c in (tuned_file or {}).get("deterministic", {}).items()})
+        if entries:
+            nearest = min(entries, key=lambda m: (abs(m - M), m))
+            cfg = fit_config(replace(FusedMoEConfig.from_dict(entries[nearest]), path="two_stage"), H, I, topk,
+                             dtype, "two_stage", backend, shared_memory=shared_memory)
+        else:
+            cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, "two_stage", config_dir, tuned)
+        return replace(cfg, S2_SPLIT_K=1)
+    entry = rules.get(arch or _arch_key(device) or "", None) or rules[backend]
+    cfg = replace(FusedMoEConfig.from_dict(entry), path="two_stage", S2_SPLIT_K=1)
+    return fit_config(cfg, H, I, topk, dtype, "two_stage", backend, shared_memory=shared_memory)
 
 
 def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:
@@ -493,8 +559,9 @@ def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_di
     shared_memory = DEFAULT_SHARED_MEMORY if foreign else target_of(device).shared_memory
     tuned_file = None if foreign or not tuned else _load_json(
         os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
-    if tuned_file:
-        nearest = min(tuned_file, key=lambda m: (abs(int(m) - M), int(m)))
+    batches = [m for m in tuned_file or () if m.isdigit()]  # (not the "deterministic" entry)
+    if batches:
+        nearest = min(batches, key=lambda m: (abs(int(m) - M), int(m)))
         return fit_config(FusedMoEConfig.from_dict(tuned_file[nearest]), H, I, topk, dtype, path, backend,
                           shared_memory=shared_memory)
 

@@ -11,17 +11,19 @@ Under ``torch.compile`` the call is the registered op ``torch.ops.fmoe2.fused_mo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional, Tuple, Union
 
 import torch
 
+from ..determinism import deterministic_enabled
 from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
 from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..reference import ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
 from ..fp8 import FP8_DTYPES
-from .config import (PATHS, FusedMoEConfig, fit_config, fit_fp8_config, fit_lora_config_to_problem, fp8_prefers_two_stage,
-                     get_config)
+from .config import (PATHS, FusedMoEConfig, deterministic_config, fit_config, fit_fp8_config, fit_lora_config_to_problem,
+                     fp8_prefers_two_stage, get_config)
 from .launches import MoEProblem
 from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
@@ -52,6 +54,7 @@ def fused_moe(
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
     block_shape: Optional[Tuple[int, int]] = None,
+    deterministic: Optional[bool] = None,
 ) -> torch.Tensor:
     """MoE forward in two launches and no intermediate buffer (or three, with the two-stage path).
 
@@ -93,6 +96,13 @@ def fused_moe(
             (N, K: 2I, H for w1; H, I for w2). Activations are quantized to fp8 inside the kernels
             (per token and group of 128, ``fmoe2/fp8.py``); the output keeps the input dtype.
             Prepared fp8 weights carry their scales. Not with ``lora``.
+        deterministic: True: the same bits on every call (eager or CUDA-graph replay), and a token's
+            output row the same whatever M is and whichever tokens share the batch: the two-stage
+            kernels with one tiling for every M (``get_config(..., deterministic=True)``), stage 2
+            storing one row per (token, slot) and a fourth launch summing them in slot order, in
+            float32 (no atomics; workspace ``M * topk * H`` elements more; docs/numerics.md). None
+            (default): :func:`fmoe2.deterministic_enabled` (``fmoe2.set_deterministic(True)`` or
+            ``torch.use_deterministic_algorithms(True)``). ``path="fused"`` is refused with it.
 
     Returns:
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
@@ -103,6 +113,8 @@ def fused_moe(
     No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
     Inference only: no autograd.
     """
+    if deterministic is None:
+        deterministic = deterministic_enabled()
     if tracing():
         from ..ops import fused_moe_op_call
 
@@ -111,10 +123,10 @@ def fused_moe(
                                  token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
                                  gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
                                  swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale,
-                                 block_shape=block_shape)
+                                 block_shape=block_shape, deterministic=deterministic)
     call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
                     token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit, w1_scale,
-                    w2_scale, block_shape)
+                    w2_scale, block_shape, deterministic)
     plan = PLANS.get(call[0]) if call is not None else None
     if plan is not None and plan.launches is not None and direct_launches():
         sources = call[1]
@@ -128,7 +140,8 @@ def fused_moe(
     return run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
                        lora, token_lora_ids, call[0] if call is not None else None, plan, w1_bias=w1_bias,
                        w2_bias=w2_bias, gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
-                       swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape)
+                       swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape,
+                       deterministic=deterministic)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +204,7 @@ def check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared):
 def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
                          path="auto", lora=None, token_lora_ids=None, *, w1_bias=None, w2_bias=None,
                          gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=None, w1_scale=None,
-                         w2_scale=None, block_shape=None) -> MoEProblem:
+                         w2_scale=None, block_shape=None, deterministic=False) -> MoEProblem:
     """Validates every argument of :func:`fused_moe` on the host; raises TypeError/ValueError."""
     check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
     M, H = hidden_states.shape
@@ -261,6 +274,11 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
                            topk_ids=topk_ids, expert_map=expert_map, w1_bias=w1_bias, w2_bias=w2_bias)
     if path not in ("auto",) + PATHS:
         raise ValueError(f"path must be one of {('auto',) + PATHS}, got {path!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
+    if deterministic and path == "fused":
+        raise ValueError("deterministic=True runs the two-stage kernels (the fused kernel adds its partial sums "
+                         "with atomics, in no fixed order): pass path='auto' or 'two_stage'")
     if config is not None and not isinstance(config, FusedMoEConfig):
         raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
     lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype)
@@ -282,7 +300,7 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     if out is not None and prepared_lora is not None:
         check_out_overlaps(out, token_lora_ids=token_lora_ids, **prepared_lora.tensors())
     return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids,
-                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit, s13, s2, scale_block)
+                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit, s13, s2, scale_block, deterministic)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +313,7 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
              token_lora_ids, w1_bias=None, w2_bias=None, gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA,
-             swiglu_limit=None, w1_scale=None, w2_scale=None, block_shape=None):
+             swiglu_limit=None, w1_scale=None, w2_scale=None, block_shape=None, deterministic=False):
     """``(key, device addresses)`` of a call: the key holds everything the plan depends on and that
     validation checks (shapes, dtypes, strides, devices, which optional tensors are given, the
     other arguments, whether every pointer is 16-byte aligned); the addresses are the call's
@@ -305,7 +323,7 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
     if (type(activation) is not str or type(path) is not str or type(gate_up_interleaved) is not bool
             or type(swiglu_alpha) not in (float, int) or (swiglu_limit is not None and type(swiglu_limit) not in
                                                           (float, int))
-            or (config is not None and type(config) is not FusedMoEConfig)):
+            or (config is not None and type(config) is not FusedMoEConfig) or type(deterministic) is not bool):
         return None
     try:
         if type(w1) is PreparedMoEWeights:
@@ -322,7 +340,7 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         x, tw, ti = hidden_states, topk_weights, topk_ids
         sources = [x.data_ptr(), w1t.data_ptr(), w2t.data_ptr(), tw.data_ptr(), ti.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
                    0, 0, 0, 0]
-        key = (activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+        key = (activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit, deterministic,
                # (written out: this runs on every call)
                x.shape, x.dtype, x.stride(), x.get_device(), w1t.shape, w1t.dtype, w1t.stride(), w1t.get_device(),
                w2t.shape, w2t.dtype, w2t.stride(), w2t.get_device(), tw.shape, tw.dtype, tw.stride(), tw.get_device(),
@@ -365,7 +383,7 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         return None
 
 
-BASE_KEY_ALIGNED = 27  # where the base key holds the alignment of the five pointers every call has
+BASE_KEY_ALIGNED = 28  # where the base key holds the alignment of the five pointers every call has
 
 
 def key_aligned(key: tuple) -> bool:
@@ -381,6 +399,8 @@ def clear_plans() -> None:
 def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
     """The config a forward runs: ``get_config``'s pick, or the caller's fitted like one (with fp8
     weights then :func:`fit_fp8_config`, and a pick's path by :func:`fp8_prefers_two_stage`)."""
+    if problem.deterministic:
+        return deterministic_config_of(problem, config, target)
     picked = config is None
     if config is None:
         config = get_config(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
@@ -404,6 +424,25 @@ def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str
     return config
 
 
+def deterministic_config_of(problem: MoEProblem, config: Optional[FusedMoEConfig], target: Target) -> FusedMoEConfig:
+    """Deterministic mode's config: :func:`~fmoe2.gemm.config.deterministic_config`'s, or the caller's on the
+    two-stage path without K shares (batch invariance is then the caller's choice of configs); with fp8
+    weights :func:`fit_fp8_config` without a grid (stage 1 then always stores y quantized per 128 columns)."""
+    if config is None:
+        config = deterministic_config(problem.num_tokens, problem.num_experts, problem.hidden_size,
+                                      problem.intermediate_size, problem.topk, problem.x.dtype, device=problem.x.device,
+                                      lora=problem.lora is not None, fp8=problem.fp8)
+        if problem.lora is not None:
+            config = fit_lora_config_to_problem(config, problem.num_tokens, problem.num_experts, problem.hidden_size,
+                                                problem.intermediate_size, problem.topk, problem.x.dtype,
+                                                target.num_sms, target.backend, target.shared_memory, in_stages=True)
+    else:
+        config = fit_given_config(replace(config, S2_SPLIT_K=1), problem, "two_stage", target)
+    if problem.fp8:
+        return fit_fp8_config(config, problem.x.element_size(), target.shared_memory)
+    return config
+
+
 def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto",
                      target: Optional[Target] = None) -> FusedMoEConfig:
     """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
@@ -415,7 +454,8 @@ def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "a
         return config
     return fit_lora_config_to_problem(config, problem.num_tokens, problem.num_experts, problem.hidden_size,
                                       problem.intermediate_size, problem.topk, problem.x.dtype, target.num_sms,
-                                      target.backend, shared_memory=target.shared_memory)
+                                      target.backend, shared_memory=target.shared_memory,
+                                      in_stages=True if problem.deterministic else None)
 
 
 def run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,

@@ -318,6 +318,9 @@ def _fused_moe_kernel(
     SCALE_BLOCK_N: tl.constexpr,  # weight rows per scale (both weights)
     SCALE_BLOCK_K: tl.constexpr,  # weight columns per scale
     Y_FP8: tl.constexpr,  # STORE_Y with FP8 and BLOCK_N = FP8_GROUP: y stored quantized (fp8 y, scales per slice)
+    # Sorted ids are token * IDS_PER_TOKEN + slot (padding M * IDS_PER_TOKEN) where > 1: the deterministic
+    # mode's stage 1, whose stage 2 then stores one row per (token, slot) (fmoe2/gemm/combine_kernel.py)
+    IDS_PER_TOKEN: tl.constexpr = 1,
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` or on a gap
     tile (expert -1) exit at once.
@@ -347,8 +350,12 @@ def _fused_moe_kernel(
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     token = tl.load(sorted_token_ids_ptr + offs_m)
-    row_valid = token < num_tokens
-    token = token.to(tl.int64)
+    if IDS_PER_TOKEN > 1:
+        row_valid = token < num_tokens * IDS_PER_TOKEN
+        token = token.to(tl.int64) // IDS_PER_TOKEN
+    else:
+        row_valid = token < num_tokens
+        token = token.to(tl.int64)
     route_weight = tl.load(sorted_weights_ptr + offs_m)
 
     offs_n = slice_id * BLOCK_N + tl.arange(0, BLOCK_N)

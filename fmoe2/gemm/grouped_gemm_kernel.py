@@ -7,6 +7,9 @@ One kernel, two users:
   added with relaxed atomics into the output the sort zeroed (``topk`` adds per element, times
   ``SPLIT_K``: with SPLIT_K > 1 the programs of one output tile each take a share of K, which at
   decode sizes gives more, shorter programs);
+* fmoe2's deterministic mode, stage 2: as above, but ids are ``token * topk + slot`` and each row is
+  stored (no atomics) into its own row of a ``[M * topk, H]`` buffer, which
+  ``fmoe2/gemm/combine_kernel.py`` then sums over the slots in a fixed order;
 * the benchmark's vLLM-style baseline: A gathered by expanded id (``x[id // topk]`` or
   ``cache2[id]``), output stored at row ``id``, optionally times ``topk_weights[id]``.
 
@@ -103,11 +106,12 @@ def _grouped_gemm_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr = 0.001953125,
     SCALE_BLOCK_N: tl.constexpr = 1,
     SCALE_BLOCK_K: tl.constexpr = 128,
+    IDS_PER_TOKEN: tl.constexpr = 1,  # HAS_LORA: a row's token (for its adapter) is id // IDS_PER_TOKEN
 ):
     """Grid: (SPLIT_K * num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block),
     K shares slowest; programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
     tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
-    tl.static_assert(not HAS_LORA or (ATOMIC_OUTPUT and not GATHER_A), "LoRA deltas: fmoe2's stage 2 only")
+    tl.static_assert(not HAS_LORA or not GATHER_A, "LoRA deltas: fmoe2's stage 2 only")
     if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
         gdc_wait()
     pid = tl.program_id(0)
@@ -170,7 +174,10 @@ def _grouped_gemm_kernel(
     if HAS_LORA:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
         if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
-            row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_id, row_valid,
+            row_token = row_id
+            if IDS_PER_TOKEN > 1:
+                row_token = row_id // IDS_PER_TOKEN
+            row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_token, row_valid,
                                                                              num_loras, True, LORA_IDS)
             if num_present > 0:  # (tiles without an adapter in a batch with some: nothing to add)
                 row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)

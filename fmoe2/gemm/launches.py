@@ -24,6 +24,7 @@ from ..launch import LaunchSpec
 from ..reference import SWIGLU_ALPHA
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
 from ..target import Target
+from .combine_kernel import _combine_slots_kernel
 from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
 from .fused_moe_kernel import _fused_moe_kernel
 from .grouped_gemm_kernel import _grouped_gemm_kernel
@@ -54,6 +55,9 @@ class MoEProblem:
     w1_scale: Optional[torch.Tensor] = None
     w2_scale: Optional[torch.Tensor] = None
     scale_block: Optional[Tuple[int, int]] = None
+    # Deterministic mode (fmoe2/gemm/combine_kernel.py): sorted ids token * topk + slot, stage 2 stores a row per
+    # (token, slot) and a last launch sums them in slot order; no atomics, a tiling that does not depend on M
+    deterministic: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -90,13 +94,16 @@ class TwoStageWorkspace:
     lora_shrink13: Optional[torch.Tensor] = None
     lora_shrink2: Optional[torch.Tensor] = None
     lora_delta13: Optional[torch.Tensor] = None
+    # Deterministic mode: [M * topk, H] in the input dtype, stage 2's row of each (token, slot), which the combine
+    # launch sums (rows of dropped slots are not written)
+    slot_rows: Optional[torch.Tensor] = None
 
     @staticmethod
     def buffers(problem: MoEProblem, block_m: int, config: FusedMoEConfig, target: Target
                 ) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
         """``(name, dtype, shape)`` of the buffers: ``y``, and with adapters those of the LoRA shrink
         and expand launches, or, where the stages compute the deltas (:func:`deltas_in_stages`),
-        stage 1's down shrinks."""
+        stage 1's down shrinks; in deterministic mode the slot rows."""
         tiles = grid_tiles(problem, block_m)
         rows = tiles * block_m
         inter, dtype = problem.intermediate_size, problem.x.dtype
@@ -113,12 +120,14 @@ class TwoStageWorkspace:
             for name, K, parts in (("lora_shrink13", problem.hidden_size, 2), ("lora_shrink2", inter, 1)):
                 buffers.append((name, torch.float32, (lora_shrink_splits(tiles, K, target), rows, parts * R)))
             buffers.append(("lora_delta13", dtype, (rows, 2 * inter)))
+        if problem.deterministic:
+            buffers.append(("slot_rows", dtype, (problem.num_tokens * problem.topk, problem.hidden_size)))
         return buffers
 
     @classmethod
     def from_views(cls, views: dict, intermediate_size: int) -> "TwoStageWorkspace":
         return cls(views["y"][:, :intermediate_size], views.get("y_scale"), views.get("lora_shrink13"),
-                   views.get("lora_shrink2"), views.get("lora_delta13"))
+                   views.get("lora_shrink2"), views.get("lora_delta13"), views.get("slot_rows"))
 
     @classmethod
     def allocate(cls, problem: MoEProblem, sorting: MoESortingResult, config: FusedMoEConfig,
@@ -180,8 +189,19 @@ def stage1_stores_fp8(problem: MoEProblem, config: FusedMoEConfig) -> bool:
 def deltas_in_stages(problem: MoEProblem, config: FusedMoEConfig) -> bool:
     """Whether this forward's two stages compute the adapter deltas themselves (no LoRA launches; the
     only LoRA workspace holds stage 1's down shrinks; :func:`fmoe2.gemm.config.lora_in_stages` says
-    where)."""
-    return problem.lora is not None and lora_in_stages(config, problem.num_tokens, problem.num_experts, problem.topk)
+    where). Always in deterministic mode: the LoRA launches split their K loops by the grid's size,
+    hence by M, and add the down deltas with atomics."""
+    return problem.lora is not None and (problem.deterministic or lora_in_stages(config, problem.num_tokens,
+                                                                                  problem.num_experts, problem.topk))
+
+
+def problem_lora_constexprs(problem: MoEProblem) -> dict:
+    """:func:`lora_constexprs` of ``problem``'s routed rows; in deterministic mode those of a large batch
+    whatever M is, so that the kernels' adapter operands do not change with M."""
+    num_rows = problem.num_tokens * problem.topk
+    if problem.deterministic:
+        num_rows = max(num_rows, problem.num_experts)
+    return lora_constexprs(problem.lora, num_rows, problem.num_experts)
 
 
 def lora_constexprs(lora: Optional[PreparedMoELoRA], num_rows: int, num_experts: int) -> dict:
@@ -354,7 +374,8 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         # Unused without adapters: a constant there, so a LoRA-fitted config adds no plain compile.
         LORA_STAGES=(config.lora_num_stages or config.num_stages) if has_lora else 1,
         PDL=pdl,
-        **lora_constexprs(problem.lora, problem.num_tokens * problem.topk, problem.num_experts),
+        IDS_PER_TOKEN=problem.topk if problem.deterministic else 1,
+        **problem_lora_constexprs(problem),
     )
     return LaunchSpec("fused" if workspace is None else "stage1", _fused_moe_kernel, grid, args, constexprs,
                       {**config.launch_options(target.backend), **_pdl_option(pdl)})
@@ -393,7 +414,7 @@ def lora_shrink_launch(problem: MoEProblem, sorting: MoESortingResult, workspace
         stride_shrink_split=shrink.stride(0),
     )
     constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_K=LORA_BLOCK_K, PDL=pdl,
-                      **lora_constexprs(lora, problem.num_tokens * problem.topk, problem.num_experts))
+                      **problem_lora_constexprs(problem))
     options = {**lora_kernel_options(sorting.block_m, target), **_pdl_option(pdl)}
     return LaunchSpec("lora_shrink2" if down else "lora_shrink13", _lora_shrink_kernel,
                       (grid_tiles(problem, sorting.block_m), shrink.shape[0]), args, constexprs, options)
@@ -419,7 +440,7 @@ def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace
     )
     block_n = lora_expand_block_n(sorting.block_m, target)
     constexprs = dict(DOWN=down, BLOCK_M=sorting.block_m, BLOCK_N=block_n, PDL=pdl,
-                      **lora_constexprs(lora, problem.num_tokens * problem.topk, problem.num_experts))
+                      **problem_lora_constexprs(problem))
     num_splits = lora_splits(num_grid_tiles, N, block_n, LORA_EXPAND_PROGRAMS_PER_SM, target)
     options = {**lora_kernel_options(sorting.block_m, target), **_pdl_option(pdl)}
     return LaunchSpec("lora_expand2" if down else "lora_expand13", _lora_expand_kernel, (num_grid_tiles, num_splits),
@@ -428,8 +449,12 @@ def lora_expand_launch(problem: MoEProblem, sorting: MoESortingResult, workspace
 
 def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult,
                          workspace: TwoStageWorkspace, config: FusedMoEConfig, target: Target) -> LaunchSpec:
-    """Two-stage path, stage 2: ``out[token] += y[sorted row] @ w2[e]^T`` (grouped GEMM, atomics over top-k)."""
+    """Two-stage path, stage 2: ``out[token] += y[sorted row] @ w2[e]^T`` (grouped GEMM, atomics over top-k);
+    in deterministic mode ``slot_rows[token * topk + slot] = y[sorted row] @ w2[e]^T``, stored."""
     y = workspace.y
+    slot_rows = workspace.slot_rows
+    deterministic = slot_rows is not None
+    c = slot_rows if deterministic else out
     num_grid_tiles = grid_tiles(problem, sorting.block_m)
     H = problem.hidden_size
     lora = problem.lora if workspace.lora_delta13 is None else None  # down deltas here, or by their own launches
@@ -437,19 +462,23 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
     tma = tma_enabled(config, problem, target)
     pdl = pdl_enabled(config, target)
     args = dict(
-        a_ptr=y, b_ptr=problem.w2, c_ptr=out, sorted_ids_ptr=sorting.sorted_token_ids,
+        a_ptr=y, b_ptr=problem.w2, c_ptr=c, sorted_ids_ptr=sorting.sorted_token_ids,
         a_desc=_descriptor(y, (config.BLOCK_M, config.S2_BLOCK_K)) if tma else None,
         b_desc=_descriptor(problem.w2, (config.S2_BLOCK_N, config.S2_BLOCK_K)) if tma else None,
         b_rows_per_expert=problem.w2.shape[1],
         expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
-        topk_weights_ptr=None, num_valid_ids=problem.num_tokens, N=H,
+        topk_weights_ptr=None, num_valid_ids=problem.num_tokens * (problem.topk if deterministic else 1), N=H,
         K=problem.intermediate_size, num_grid_tiles=num_grid_tiles, stride_a_m=y.stride(0),
         stride_b_e=problem.w2.stride(0), stride_b_n=problem.w2.stride(1), stride_b_k=problem.w2.stride(2),
-        stride_c_m=out.stride(0),
+        stride_c_m=c.stride(0),
     )
-    constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=True,
+    if deterministic and config.S2_SPLIT_K != 1:
+        raise ValueError(f"deterministic mode adds no partial sums: S2_SPLIT_K must be 1, got {config.S2_SPLIT_K}")
+    constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=not deterministic,
                       BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
                       GROUP_M=config.S2_GROUP_M, PDL=pdl, SPLIT_K=config.S2_SPLIT_K)
+    if deterministic:
+        constexprs.update(IDS_PER_TOKEN=problem.topk)
     if problem.w2_bias is not None:  # y carries the routing weight; the bias is scaled by it here
         args.update(bias_ptr=problem.w2_bias, stride_bias_e=problem.w2_bias.stride(0),
                     row_weights_ptr=sorting.sorted_weights)
@@ -468,36 +497,68 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
                     lora_scaling_ptr=lora.scaling, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
                     num_loras=lora.num_loras, num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0),
                     stride_lb_l=b2.stride(0), stride_lb_e=b2.stride(1), stride_lb_r=b2.stride(2))
-        lora_consts = lora_constexprs(lora, problem.num_tokens * problem.topk, problem.num_experts)
+        lora_consts = problem_lora_constexprs(problem)
         splits_per_step = max(1, LORA_SHRINK_SUM_ELEMENTS // (config.BLOCK_M * lora.padded_rank))
         constexprs.update(HAS_LORA=True, LORA_SPLITS_PER_STEP=splits_per_step, **lora_consts)
     return LaunchSpec("stage2", _grouped_gemm_kernel, grid, args, constexprs,
                       {**config.launch_options(target.backend, stage2=True), **_pdl_option(pdl)})
 
 
+COMBINE_ELEMENTS = 2048  # output elements per combine program
+COMBINE_MAX_BLOCK_H = 1024
+
+
+def combine_launch(problem: MoEProblem, out: torch.Tensor, rows: torch.Tensor, topk_ids: Optional[torch.Tensor],
+                   expert_map: Optional[torch.Tensor]) -> LaunchSpec:
+    """Deterministic mode, last launch: ``out[t] = sum over slots, in order, of rows[t * topk + slot]``
+    (``rows``: the workspace's slot rows); without ``topk_ids``, the cast of a float32 accumulator
+    ``rows [M, H]`` to ``out`` (``FusedMoEConfig.accumulate_fp32``). ``fmoe2/gemm/combine_kernel.py``."""
+    M, H = problem.num_tokens, problem.hidden_size
+    routed = topk_ids is not None
+    block_h = min(COMBINE_MAX_BLOCK_H, triton.next_power_of_2(H))
+    block_t = max(1, COMBINE_ELEMENTS // block_h)
+    args = dict(slot_rows_ptr=rows, out_ptr=out, topk_ids_ptr=topk_ids, expert_map_ptr=expert_map if routed else None,
+                num_tokens=M, H=H, num_global_experts=expert_map.numel() if expert_map is not None else problem.num_experts,
+                stride_slot_m=rows.stride(0), stride_out_m=out.stride(0))
+    constexprs = dict(TOPK=problem.topk if routed else 1, NUM_EXPERTS=problem.num_experts,
+                      HAS_EXPERT_MAP=routed and expert_map is not None, BLOCK_T=block_t, BLOCK_H=block_h, ROUTED=routed)
+    return LaunchSpec("combine" if routed else "cast", _combine_slots_kernel,
+                      (triton.cdiv(M, block_t), triton.cdiv(H, block_h)), args, constexprs, {"num_warps": 4})
+
+
 def forward_specs(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
                   out: torch.Tensor, expert_map: Optional[torch.Tensor], config: FusedMoEConfig, target: Target,
                   sorting: MoESortingResult, workspace: Optional[TwoStageWorkspace],
-                  quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> List[LaunchSpec]:
+                  quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                  accumulator: Optional[torch.Tensor] = None) -> List[LaunchSpec]:
     """The launches of one forward, in order: ``sort`` (``sort_count`` before it where the sort is
     chunked), then ``fused``, or ``stage1`` and ``stage2`` (with adapters, unless the stages compute
     the deltas (:func:`deltas_in_stages`), ``lora_shrink13`` and ``lora_expand13`` before stage 1,
-    ``lora_shrink2`` and ``lora_expand2`` before stage 2). ``workspace`` is None on the fused path.
+    ``lora_shrink2`` and ``lora_expand2`` before stage 2), and in deterministic mode ``combine`` last.
+    ``workspace`` is None on the fused path. ``accumulator``: a float32 ``[M, H]`` buffer
+    (``FusedMoEConfig.accumulate_fp32``): the sort zeroes it, the GEMMs add into it, and a last launch,
+    ``cast``, writes it to ``out``.
     ``quantized_x``: ``(x_q, x_scale)`` buffers of an fp8 forward, which the sort fills."""
     lora = problem.lora
     pdl = pdl_enabled(config, target)
+    final_out = out
+    if accumulator is not None:
+        out = accumulator
     # With PDL every launch after the sort starts while its predecessor runs and waits in-kernel; all but
     # stage 2 signal their dependents early. With adapters the sort also counts the tokens that have one.
     x_quantization = None
     if quantized_x is not None:  # fp8: the sort launch quantizes x once for every GEMM program to read
         x_quantization = x_quantization_values(problem.x, *quantized_x, fp8_constexprs(problem.w1.dtype,
                                                                                       target.interpreter))
-    specs = sort_launch_specs(topk_ids, topk_weights, problem.num_experts, expert_map, sorting, out,
+    # Deterministic mode: ids token * topk + slot, and no zeroing (the combine launch writes every element).
+    specs = sort_launch_specs(topk_ids, topk_weights, problem.num_experts, expert_map, sorting,
+                              None if problem.deterministic else out, expanded_ids=problem.deterministic,
                               token_lora_ids=problem.token_lora_ids, num_loras=lora.num_loras if lora is not None else 0,
                               launch_dependents=pdl, num_compute_units=target.num_sms, x_quantization=x_quantization)
+    cast = [combine_launch(problem, final_out, accumulator, None, None)] if accumulator is not None else []
     if workspace is None:
         return specs + [fused_kernel_launch(problem, out, sorting, activation, config, target,
-                                            quantized_x=quantized_x)]
+                                            quantized_x=quantized_x)] + cast
     lora_launches = lora is not None and not deltas_in_stages(problem, config)
     if lora_launches:
         specs += [lora_shrink_launch(problem, sorting, workspace, False, target, pdl),
@@ -507,13 +568,17 @@ def forward_specs(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: tor
         specs += [lora_shrink_launch(problem, sorting, workspace, True, target, pdl),
                   lora_expand_launch(problem, sorting, workspace, out, True, target, pdl)]
     specs.append(stage2_kernel_launch(problem, out, sorting, workspace, config, target))
-    return specs
+    if problem.deterministic:
+        specs.append(combine_launch(problem, out, workspace.slot_rows, topk_ids, expert_map))
+    return specs + cast
 
 
 def forward_buffers(problem: MoEProblem, config: FusedMoEConfig, target: Target, chunk_size: int
                     ) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
     """``(name, dtype, shape)`` of every buffer a forward allocates: the sort's (``chunk_size``: of
-    the chunked sort, 0 for one launch), then on the two-stage path the workspace's."""
+    the chunked sort, 0 for one launch), then on the two-stage path the workspace's, and the float32
+    accumulator where the config has ``accumulate_fp32`` (not in deterministic mode, which sums in float32
+    already)."""
     buffers = sorting_buffers(problem.num_tokens * problem.topk, problem.num_experts, config.BLOCK_M,
                               problem.lora is not None, chunk_size)
     if problem.fp8:  # x quantized by the sort launch
@@ -522,19 +587,39 @@ def forward_buffers(problem: MoEProblem, config: FusedMoEConfig, target: Target,
                     ("x_scale", torch.float32, (M, triton.cdiv(H, FP8_GROUP)))]
     if config.path == "two_stage":
         buffers += TwoStageWorkspace.buffers(problem, config.BLOCK_M, config, target)
+    if accumulates_fp32(problem, config):
+        buffers.append(("accumulator", torch.float32, (problem.num_tokens, problem.hidden_size)))
     return buffers
 
 
+def accumulates_fp32(problem: MoEProblem, config: FusedMoEConfig) -> bool:
+    """Whether the forward's atomic adds go to a float32 accumulator that a last launch casts to the output
+    (never in deterministic mode, which sums in float32 already): ``config.accumulate_fp32`` where set,
+    else on the fused path with 16-bit weights and outputs. There the fused kernel adds ``topk * ceil(I /
+    BLOCK_N)`` partial results into each output element, each add rounding in bf16, and its error was 2.2-3.2x
+    the unfused vLLM-style path's (H100, Qwen3 and DeepSeek-V2-Lite, M=1-128); with the accumulator 0.60-0.63x,
+    for 1.2-5.5% more time in CUDA graphs and one more launch. The two-stage path adds ``topk * S2_SPLIT_K``
+    times, within 1.12x of that error, where an accumulator cost up to 11.5% (docs/numerics.md#the-default-modes-error).
+    fp8 weights keep 16-bit adds (the accumulator is not measured with them)."""
+    if problem.deterministic:
+        return False
+    if config.accumulate_fp32 is not None:
+        return config.accumulate_fp32
+    return (config.path == "fused" and not problem.fp8
+            and problem.x.dtype in (torch.bfloat16, torch.float16))
+
+
 def forward_buffer_views(problem: MoEProblem, config: FusedMoEConfig, views: dict, chunk_size: int
-                         ) -> Tuple[MoESortingResult, Optional[TwoStageWorkspace], Optional[tuple]]:
-    """The sorting result, the (two-stage path) workspace and the (fp8) quantized x ``(x_q, x_scale)``
-    held by ``views`` of :func:`forward_buffers`."""
+                         ) -> Tuple[MoESortingResult, Optional[TwoStageWorkspace], Optional[tuple],
+                                    Optional[torch.Tensor]]:
+    """The sorting result, the (two-stage path) workspace, the (fp8) quantized x ``(x_q, x_scale)`` and the
+    float32 accumulator held by ``views`` of :func:`forward_buffers` (None where absent)."""
     sorting = MoESortingResult.from_views(views, config.BLOCK_M, problem.num_tokens, chunk_size)
     workspace = TwoStageWorkspace.from_views(views, problem.intermediate_size) if config.path == "two_stage" else None
     quantized_x = (views["x_q"][:, :problem.hidden_size], views["x_scale"]) if "x_q" in views else None
-    return sorting, workspace, quantized_x
+    return sorting, workspace, quantized_x, views.get("accumulator")
 
 
 __all__ = ["MoEProblem", "TwoStageWorkspace", "forward_specs", "forward_buffers", "forward_buffer_views",
            "fused_kernel_launch", "stage2_kernel_launch", "lora_shrink_launch", "lora_expand_launch",
-           "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs", "grid_tiles"]
+           "combine_launch", "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs", "grid_tiles"]

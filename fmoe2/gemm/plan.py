@@ -78,10 +78,10 @@ class MoEPlan:
 
     def specs(self, problem: MoEProblem, topk_weights, topk_ids, out, expert_map, block: torch.Tensor):
         """The launch descriptions of this call, on the scratch ``block``."""
-        sorting, workspace, quantized_x = forward_buffer_views(problem, self.config, self.layout.views(block),
-                                                               self.chunk_size)
+        sorting, workspace, quantized_x, accumulator = forward_buffer_views(problem, self.config,
+                                                                            self.layout.views(block), self.chunk_size)
         return launches.forward_specs(problem, topk_weights, topk_ids, self.activation, out, expert_map, self.config,
-                                      self.target, sorting, workspace, quantized_x)
+                                      self.target, sorting, workspace, quantized_x, accumulator)
 
     def run_jit(self, problem: MoEProblem, topk_weights, topk_ids, out, expert_map) -> None:
         """Runs the forward through Triton's JIT (which compiles on first use); binds the launches

@@ -22,7 +22,7 @@ def recording_timer(timed):
     return once
 
 
-@pytest.mark.parametrize("path,names", [("fused", ["sort", "fused"]), ("two_stage", ["sort", "stage1", "stage2"])])
+@pytest.mark.parametrize("path,names", [("fused", ["sort", "fused", "cast"]), ("two_stage", ["sort", "stage1", "stage2"])])
 def test_stage_times_runs_each_launch_of_the_forward(monkeypatch, path, names):
     timed = []
     monkeypatch.setattr(bench_main, "time_in_graph", recording_timer(timed))
@@ -125,6 +125,12 @@ def test_update_replaces_only_the_rerun_batch_sizes(tmp_path):
     # Tuned files come from every row, whichever run it comes from.
     (tuned,) = write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
     assert set(json.loads(open(tuned).read())) == {"1", "16", "128"}
+    # A rewrite keeps deterministic mode's own entries (python -m fmoe2.tune --deterministic).
+    with open(tuned, "w") as f:
+        json.dump({"1": {}, "deterministic": {"1": {"BLOCK_M": 16}}}, f)
+    write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
+    rewritten = json.loads(open(tuned).read())
+    assert set(rewritten) == {"1", "16", "128", "deterministic"} and rewritten["deterministic"] == {"1": {"BLOCK_M": 16}}
 
 
 @pytest.mark.parametrize("flag", ["--lora", "--no-search"])

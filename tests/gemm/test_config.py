@@ -298,7 +298,12 @@ def test_plain_loops_fit_shared_memory_for_the_input_dtype():
     assert tuned
     for path in tuned:
         with open(path) as f:
-            for entry in json.load(f).values():
+            tuned_file = json.load(f)
+            entries = [e for m, e in tuned_file.items() if m.isdigit()]
+            entries += list(tuned_file.get("deterministic", {}).values())  # deterministic mode's own
+            assert len(entries) == len(tuned_file) - ("deterministic" in tuned_file) + len(
+                tuned_file.get("deterministic", {})), path
+            for entry in entries:
                 cfg = FusedMoEConfig.from_dict(entry)
                 assert fit_shared_memory(cfg, 2) == cfg, (path, entry)
     # Defaults: unchanged for bf16; for fp32 every loop of every pick fits.

@@ -8,7 +8,7 @@ import torch
 
 import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, prepare_weights
-from helpers import DEVICE, assert_matches_reference, make_problem, poisoned
+from helpers import DEVICE, SMALL_PROBLEMS, assert_matches_reference, make_problem, poisoned
 
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
 
@@ -16,12 +16,7 @@ SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
-@pytest.mark.parametrize("M,E,H,I,topk", [
-    (1, 4, 64, 32, 2),
-    (7, 3, 40, 24, 3),  # H, I not multiples of 16, E not a power of two
-    (33, 5, 72, 56, 1),
-    (19, 10, 24, 20, 8),
-])
+@pytest.mark.parametrize("M,E,H,I,topk", SMALL_PROBLEMS)
 def test_matches_reference(M, E, H, I, topk, dtype, prepared, path):
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=M + E)
     out = poisoned(M, H, dtype)
@@ -388,3 +383,22 @@ def test_forward_with_the_chunked_sort(path, monkeypatch):
     out = fused_moe(x, w1[::2].contiguous(), w2[::2].contiguous(), tw, ti, expert_map=expert_map.to(DEVICE),
                     out=poisoned(M, H, torch.float16), path=path)
     assert_matches_reference(out, x, w1[::2], w2[::2], tw, ti, expert_map=expert_map.to(DEVICE))
+
+
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_float32_accumulator_is_zeroed_added_into_and_cast_last(path):
+    # accumulate_fp32: the GEMMs add into a float32 buffer the sort zeroes; a last launch casts it to out.
+    from fmoe2.gemm.fused_moe import forward_launches
+    from helpers import make_lora, make_token_lora_ids
+
+    M, E, H, I, topk = 19, 10, 24, 20, 8
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=1)
+    cfg = replace(SMALL, accumulate_fp32=True)
+    out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, H, torch.float16), config=cfg, path=path)
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+    names = [name for name, _ in forward_launches(x, w1, w2, tw, ti, config=cfg, path=path)]
+    assert names[-1] == "cast" and names.count("cast") == 1
+    lora, token_lora_ids = make_lora(2, E, H, I, 16, torch.float16), make_token_lora_ids(M, 2)
+    out = fused_moe(x, w1, w2, tw, ti, config=cfg, path=path, lora=lora, token_lora_ids=token_lora_ids)
+    assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=token_lora_ids)
+    assert FusedMoEConfig.from_dict(cfg.to_dict()) == cfg and "accumulate_fp32" not in SMALL.to_dict()

@@ -356,7 +356,7 @@ def test_auto_path_with_lora_at_decode_computes_the_deltas_in_the_two_stages(mon
     assert names == ["sort", "stage1", "stage2"]  # adapters present: no delta launches, no LoRA workspace
     names.clear()
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None, path="fused")
-    assert names == ["sort", "fused"]  # a forced path stays forced
+    assert names == ["sort", "fused", "cast"]  # a forced path stays forced (its float32 accumulator cast last)
     names.clear()
     run_and_check(3, E, H, I, topk, 16, torch.float16, config=None)  # 1.5 rows per expert: the delta launches
     assert names == ["sort", "lora_shrink13", "lora_expand13", "stage1", "lora_shrink2", "lora_expand2", "stage2"]

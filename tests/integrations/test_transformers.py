@@ -3,6 +3,7 @@ computation, on tiny random models of every MoE family in the installed transfor
 tiny_models.py: fmoe2's logits equal eager's; the families fmoe2 cannot compute fall back to grouped_mm, with
 their reason; expert parallelism's sentinel ids are dropped. CPU: the Triton interpreter in fp32 (bf16 and
 greedy decoding on the GPU: tests/test_gpu.py)."""
+import importlib
 import warnings
 
 import pytest
@@ -145,6 +146,30 @@ def test_expert_parallel_sentinels_are_dropped(model_type):
             assert rel_error(ours[row:row + 1], one) <= FP32_TOL
     assert rel_error(ours[kept], reference) <= FP32_TOL
     assert (ours[sentinel.all(dim=1)] == 0).all()
+
+
+@pytest.mark.parametrize("model_type", _families(["qwen3_moe", "gpt_oss"]))
+def test_the_backend_follows_the_deterministic_switch(model_type, deterministic_off, monkeypatch):
+    # With fmoe2.set_deterministic(True) the backend's calls run deterministic mode: the launches end with the
+    # combine, and a token's row is bitwise the same alone as in a batch of 9 (what the mode promises).
+    fm = importlib.import_module("fmoe2.gemm.launches")  # the launch descriptions
+
+    names = []
+    real = fm.forward_specs
+    monkeypatch.setattr(fm, "forward_specs", lambda *a: (lambda specs: names.extend(s.name for s in specs) or specs)(
+        real(*a)))
+    module = experts_modules(build(model_type, device=DEVICE))[0]
+    module.config._experts_implementation = "fmoe2"
+    hidden, ids, weights = _experts_call(module, T=9, k=2, seed=4)
+    fmoe2.set_deterministic(True)
+    with torch.no_grad():
+        batch = module(hidden, ids, weights)
+        alone = [module(hidden[t:t + 1], ids[t:t + 1], weights[t:t + 1]) for t in (0, 8)]
+        module.config._experts_implementation = "eager"
+        reference = module(hidden, ids, weights)
+    assert names and names[-1] == "combine" and "fused" not in names
+    assert torch.equal(batch[0:1], alone[0]) and torch.equal(batch[8:9], alone[1])
+    assert rel_error(batch, reference) <= FP32_TOL
 
 
 def test_ids_and_weights_reach_the_kernels_as_they_come(monkeypatch):
