@@ -51,6 +51,10 @@ OAI_SWIGLU_GATES = ("GptOssExperts._apply_gate", "OpenAIPrivacyFilterExperts._ap
 CLAMPED_SILU_GATES = ("HYV4Experts._apply_gate", "HYV4VLExperts._apply_gate", "Glm5NextTextExperts._apply_gate",
                       "DeepseekV4Experts._apply_gate")
 PROBE_ROWS, PROBE_COLUMNS, PROBE_SCALE = 8, 16, 12.0  # the check's random gate/up values (beyond the clamps)
+# Where fmoe2.integrations.peft puts an experts module's adapters (an object whose call_arguments(num_tokens)
+# gives fused_moe's lora/token_lora_ids for the selected adapters, or {}).
+ADAPTERS_ATTRIBUTE = "fmoe2_adapters"
+REGISTERED_NAMES = set()  # the experts_implementation names that run this backend (register())
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,12 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
     """The ``"fmoe2"`` experts backend: ``fmoe2.fused_moe`` on the module's parameters, in place."""
     spec = experts_spec(module)
     reason = spec.fallback or call_fallback_reason(module, hidden_states)
+    adapters = getattr(module, ADAPTERS_ATTRIBUTE, None)
+    lora = adapters.call_arguments(hidden_states) if adapters is not None else {}
     if reason:
+        if lora:  # transformers' backends know nothing of fmoe2's adapters: never drop them silently
+            raise RuntimeError(f"fmoe2 experts backend: {type(module).__name__} has LoRA adapters selected but "
+                               f"cannot run on fmoe2: {reason}")
         return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
     w1, w2 = module.gate_up_proj, module.down_proj
     if getattr(module, "is_transposed", False):  # [E, H, 2I] / [E, I, H]: read through their strides
@@ -234,7 +243,7 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
         hidden_states = hidden_states.contiguous()
     return fused_moe(hidden_states, w1, w2, top_k_weights, top_k_index, activation=spec.activation,
                      gate_up_interleaved=spec.gate_up_interleaved, swiglu_alpha=spec.swiglu_alpha,
-                     swiglu_limit=spec.swiglu_limit, **biases)
+                     swiglu_limit=spec.swiglu_limit, **biases, **lora)
 
 
 def fmoe2_fp8_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -270,6 +279,7 @@ def register(name: str = BACKEND_NAME) -> str:
     one, its fp8 experts registry (idempotent); returns ``name``. Importing this module registers
     ``"fmoe2"``."""
     _moe.ExpertsInterface.register(name, fmoe2_experts_forward)
+    REGISTERED_NAMES.add(name)
     fp8_registry = _fp8_registry()
     if fp8_registry is not None:
         type(fp8_registry).register(name, fmoe2_fp8_experts_forward)
@@ -279,4 +289,4 @@ def register(name: str = BACKEND_NAME) -> str:
 register()
 
 __all__ = ["register", "fmoe2_experts_forward", "fmoe2_fp8_experts_forward", "experts_spec", "classify", "check_gate", "ExpertsSpec",
-           "BACKEND_NAME"]
+           "BACKEND_NAME", "ADAPTERS_ATTRIBUTE", "REGISTERED_NAMES"]
