@@ -104,4 +104,4 @@ def check_out_overlaps_at(names, addresses, nbytes, out_index: int) -> None:
     out_end = out_start + nbytes[out_index]
     for i, (name, start, size) in enumerate(zip(names, addresses, nbytes)):
         if size and i != out_index and start < out_end and out_start < start + size:
-            raise ValueError(f"out overlaps {name} in memory; fmoe2 zeroes out before reading {name}")
+            raise ValueError(f"out overlaps {name} in memory; fmoe2 may write out before it has read {name}")

@@ -518,22 +518,24 @@ def deterministic_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch
     ``"tiling_free_cuda_archs"`` in the ``"deterministic"`` section of ``configs/defaults.json`` a row's
     bits were measured not to depend on the tiling (H100, sm_90: tiles of 16 to 128 rows, mma and wgmma,
     BLOCK_K 32 to 128, 2 to 8 warps, the tuned configs; docs/numerics.md#deterministic-mode): there a
-    forward with 16-bit weights and no adapters takes the tuned config of the nearest batch size: one
+    forward with bf16 weights (the dtype measured) and no adapters takes the tuned config of the nearest
+    batch size: one
     tuned for deterministic mode (a tuned file's ``"deterministic"`` entry, ``python -m fmoe2.tune
     --deterministic``), else the file's plain one on the two-stage path; without a tuned file the two-stage
-    pick of the default rules (:func:`get_config`). Everywhere else, and with adapters (stage 2 sums
+    pick of the default rules (:func:`get_config`). Everywhere else, with fp16/fp32, and with adapters (stage 2 sums
     the slices' partial down shrinks, as many as stage 1's slices, in steps of a size set by BLOCK_M) or
     fp8 weights (not measured), one config for every M: the backend's entry in that section.
     ``cuda_arch`` (e.g. 90): of a CUDA GPU that is not there (``fmoe2.codegen``); default the device's."""
     foreign = (backend is not None and backend != current_backend()) or arch is not None
     backend = backend or current_backend()
-    defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
-        os.path.join(CONFIG_DIR, "defaults.json"))
-    rules = defaults["deterministic"]
+    defaults = _load_json(os.path.join(config_dir, "defaults.json")) or {}
+    # A config_dir whose defaults.json has no deterministic section (written before it existed): fmoe2's own.
+    rules = defaults.get("deterministic") or _load_json(os.path.join(CONFIG_DIR, "defaults.json"))["deterministic"]
     if cuda_arch is None and backend == "cuda" and not foreign:
         cuda_arch = target_of(device).cuda_arch
     shared_memory = DEFAULT_SHARED_MEMORY if foreign else target_of(device).shared_memory
-    if backend == "cuda" and cuda_arch in rules["tiling_free_cuda_archs"] and not lora and not fp8:
+    if (backend == "cuda" and cuda_arch in rules["tiling_free_cuda_archs"] and dtype == torch.bfloat16
+            and not lora and not fp8):
         tuned_file = None if foreign or not tuned else _load_json(
             os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
         # The batch sizes tuned for deterministic mode, and the others of the file as two-stage configs.

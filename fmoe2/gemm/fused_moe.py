@@ -16,7 +16,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..determinism import deterministic_enabled
+from ..determinism import deterministic_enabled, fused_path_under_the_switch
 from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
 from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..reference import ACTIVATIONS, SWIGLU_ALPHA
@@ -72,7 +72,7 @@ def fused_moe(
             ids outside ``[0, E)`` (after the map) are dropped: they add nothing.
         activation: ``"silu"`` (SwiGLU), ``"gelu"`` (erf GeGLU), ``"gelu_tanh"`` (tanh GeGLU) or
             ``"swiglu_oai"`` (gpt-oss: ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``).
-        out: optional ``[M, H]`` output in the input dtype; it is overwritten (zeroed by the sort).
+        out: optional ``[M, H]`` output in the input dtype; it is overwritten.
         expert_map: optional int32 ``[E_global]``, global expert id -> local id or -1; tokens
             routed to other ranks' experts contribute nothing (their rows may stay zero).
         config: optional :class:`FusedMoEConfig` overriding :func:`fmoe2.get_config`.
@@ -98,7 +98,8 @@ def fused_moe(
             Prepared fp8 weights carry their scales. Not with ``lora``.
         deterministic: True: the same bits on every call (eager or CUDA-graph replay), and a token's
             output row the same whatever M is and whichever tokens share the batch: the two-stage
-            kernels with one tiling for every M (``get_config(..., deterministic=True)``), stage 2
+            kernels with a tiling whose bits do not depend on M (``get_config(..., deterministic=True)``;
+            a ``config`` passed runs as given on the two-stage path with ``S2_SPLIT_K=1``), stage 2
             storing one row per (token, slot) and a fourth launch summing them in slot order, in
             float32 (no atomics; workspace ``M * topk * H`` elements more; docs/numerics.md). None
             (default): :func:`fmoe2.deterministic_enabled` (``fmoe2.set_deterministic(True)`` or
@@ -108,13 +109,17 @@ def fused_moe(
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
 
     Gate/up accumulate in fp32; the activated intermediate is rounded to the input dtype before
-    the down GEMM and partial results are added into ``out`` in the input dtype. With fp16,
+    the down GEMM. The partial results are added with atomics: into a float32 accumulator cast to
+    ``out`` last on the fused path with 16-bit weights, into ``out`` in its dtype elsewhere
+    (``FusedMoEConfig.accumulate_fp32``; docs/numerics.md). With fp16,
     values beyond 65504 in the intermediate or the output become inf: prefer bf16.
     No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
     Inference only: no autograd.
     """
     if deterministic is None:
         deterministic = deterministic_enabled()
+        if deterministic and path == "fused":
+            deterministic = fused_path_under_the_switch()
     if tracing():
         from ..ops import fused_moe_op_call
 

@@ -97,7 +97,7 @@ class MoEPlan:
             self.bindable = self.launches is not None
 
     def check_out_overlap(self, sources: Sequence[int]) -> None:
-        """Refuses an ``out`` that shares memory with an input (it is zeroed while they are read)."""
+        """Refuses an ``out`` that shares memory with an input (it may be written while they are read)."""
         check_out_overlaps_at(INPUT_SOURCES, sources, self.input_nbytes, OUT_SOURCE)
 
 

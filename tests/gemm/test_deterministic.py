@@ -3,6 +3,7 @@ against the float64 reference, its launches and config, the combine kernel's ord
 batch invariance (CPU interpreter in fp16/fp32, the GPU in bf16), and on the GPU bitwise reproducibility
 over repeated calls and CUDA-graph replays, for the batch sizes where the default takes the fused and the
 two-stage path, with and without adapters and with an expert map."""
+import json
 import math
 from dataclasses import replace
 
@@ -68,6 +69,8 @@ def test_config_is_the_same_for_every_batch_size_but_where_tilings_were_measured
         assert cfg.S2_SPLIT_K == 1 and cfg.path == "two_stage"
     assert len({deterministic_config(M, *shape, torch.bfloat16, backend="cuda", cuda_arch=90, lora=True)
                 for M in batches}) == 1
+    assert len({deterministic_config(M, *shape, torch.float16, backend="cuda", cuda_arch=90)
+                for M in (1, 16, 128, 1024, 4096)}) == 1  # fp16: not measured, one tiling
     assert len({deterministic_config(M, *shape, torch.bfloat16, backend="cuda", cuda_arch=90, fp8=True)
                 for M in batches}) == 1
     with pytest.raises(ValueError, match="two-stage"):
@@ -147,7 +150,7 @@ def _batch_invariance(M_list, E, H, I, topk, dtype, lora_args=None, expert_map=N
         out = fused_moe(x[rows], *weights, tw[rows], ti[rows], expert_map=expert_map, deterministic=True, **extra)
         position = {int(r): p for p, r in enumerate(rows.tolist())}
         results.append({p: out[position[p]] for p in range(n_probe)})
-    for got in results[1:]:
+    for got in results[:-1]:
         for p, row in got.items():
             assert torch.equal(row, results[-1][p]), f"probe {p}: bits differ between batch sizes"
     return results
@@ -209,6 +212,59 @@ def test_global_switches_and_argument_checks(deterministic_off):
         fused_moe(x, w1, w2, tw, ti, deterministic="yes")
     with pytest.raises(TypeError, match="enabled must be a bool"):
         fmoe2.set_deterministic(1)
+
+
+def test_an_explicit_fused_path_under_the_global_switch(deterministic_off):
+    # The switch cannot make the fused kernel deterministic: fmoe2's switch or torch's flag raise, naming the switch;
+    # torch's warn_only flag alone warns and runs the fused path, as torch's own ops without a deterministic form do.
+    x, w1, w2, tw, ti = make_problem(5, 4, 32, 32, 2, torch.float16)
+    fmoe2.set_deterministic(True)
+    with pytest.raises(ValueError, match="deterministic mode is on"):
+        fused_moe(x, w1, w2, tw, ti, path="fused")
+    out = fused_moe(x, w1, w2, tw, ti, path="fused", deterministic=False)  # an explicit False wins
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+    fmoe2.set_deterministic(False)
+    torch.use_deterministic_algorithms(True)
+    with pytest.raises(ValueError, match="deterministic mode is on"):
+        fused_moe(x, w1, w2, tw, ti, path="fused")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with pytest.warns(UserWarning, match="not deterministic"):
+        out = fused_moe(x, w1, w2, tw, ti, path="fused")
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+    assert plan_of(x, w1, w2, tw, ti, path="fused", deterministic=False) is not None
+    assert plan_of(x, w1, w2, tw, ti, deterministic=True) is None  # (warn_only still turns the mode on for auto)
+
+
+def test_switching_the_mode_back_and_forth_takes_each_modes_launches(deterministic_off):
+    x, w1, w2, tw, ti = make_problem(9, 4, 32, 32, 2, torch.float16, seed=2)
+    names = {}
+    for deterministic in (True, False, True, False):
+        fmoe2.set_deterministic(deterministic)
+        out = fused_moe(x, w1, w2, tw, ti)
+        assert_matches_reference(out, x, w1, w2, tw, ti)
+        launches = [n for n, _ in forward_launches(x, w1, w2, tw, ti, deterministic=deterministic)]
+        names.setdefault(deterministic, launches)
+        assert launches == names[deterministic]
+    assert names[True][-1] == "combine" and "combine" not in names[False]
+
+
+def test_a_callers_fused_config_runs_on_the_two_stage_path():
+    x, w1, w2, tw, ti = make_problem(9, 4, 32, 32, 2, torch.float16, seed=3)
+    cfg = FusedMoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, BLOCK_H=32, path="fused")
+    out = fused_moe(x, w1, w2, tw, ti, config=cfg, deterministic=True)
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+    plan = plan_of(x, w1, w2, tw, ti, config=cfg, deterministic=True)
+    assert plan is None or (plan.config.path == "two_stage" and plan.config.BLOCK_M == 16)
+    launches = [n for n, _ in forward_launches(x, w1, w2, tw, ti, config=cfg, deterministic=True)]
+    assert launches == ["sort", "stage1", "stage2", "combine"]
+
+
+def test_a_config_dir_without_a_deterministic_section_takes_fmoe2s(tmp_path):
+    defaults = _load_json(f"{CONFIG_DIR}/defaults.json")
+    (tmp_path / "defaults.json").write_text(json.dumps({k: v for k, v in defaults.items() if k != "deterministic"}))
+    mine = deterministic_config(64, 8, 256, 128, 2, torch.float16, backend="cuda", cuda_arch=80,
+                                config_dir=str(tmp_path))
+    assert mine == deterministic_config(64, 8, 256, 128, 2, torch.float16, backend="cuda", cuda_arch=80)
 
 
 def test_the_op_takes_the_mode(deterministic_off):

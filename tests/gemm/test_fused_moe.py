@@ -402,3 +402,20 @@ def test_float32_accumulator_is_zeroed_added_into_and_cast_last(path):
     out = fused_moe(x, w1, w2, tw, ti, config=cfg, path=path, lora=lora, token_lora_ids=token_lora_ids)
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=token_lora_ids)
     assert FusedMoEConfig.from_dict(cfg.to_dict()) == cfg and "accumulate_fp32" not in SMALL.to_dict()
+
+
+def test_the_default_accumulates_in_float32_only_on_the_fused_path_with_16_bit_outputs():
+    # launches.accumulates_fp32: fused path, fp16/bf16 -> a float32 accumulator and a cast launch last;
+    # float32 outputs, the two-stage path and accumulate_fp32=False add into out itself.
+    from fmoe2.gemm.fused_moe import forward_launches
+
+    M, E, H, I, topk = 9, 4, 32, 32, 2
+    for dtype, config, path, cast in [(torch.float16, SMALL, "fused", True),
+                                      (torch.float32, SMALL, "fused", False),
+                                      (torch.float16, SMALL, "two_stage", False),
+                                      (torch.float16, replace(SMALL, accumulate_fp32=False), "fused", False)]:
+        x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=4)
+        names = [name for name, _ in forward_launches(x, w1, w2, tw, ti, config=config, path=path)]
+        assert (names[-1] == "cast") == cast, (dtype, path, config.accumulate_fp32, names)
+        out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, H, dtype), config=config, path=path)
+        assert_matches_reference(out, x, w1, w2, tw, ti)
