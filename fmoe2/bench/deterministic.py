@@ -32,7 +32,7 @@ from fmoe2.shapes import ALL_SHAPES
 
 from .provenance import provenance_line, run_record, write_result
 from .search import baseline_candidates
-from .timing import time_in_graph
+from .timing import capture_graph, time_in_graph
 from .vllm_style import GroupedGemmConfig, vllm_style_fused_experts
 
 # Fixed tilings timed for deterministic mode with --candidates: defaults.json's (with adapters, fp8 weights, or
@@ -69,14 +69,7 @@ def _max_diff(outs) -> float:
 def _repeat_and_replay(run, out) -> float:
     """Largest difference between 5 eager calls and one CUDA-graph replay of ``run`` (writing ``out``)."""
     outs = [run().clone() for _ in range(5)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -8,19 +8,26 @@ from typing import Callable, Dict
 import torch
 
 
-def time_in_graph(fn: Callable[[], object], calls_per_graph: int = 10, replays: int = 50, warmup: int = 5) -> float:
-    """Median microseconds per call of ``fn`` (which must be graph-safe)."""
+def capture_graph(fn: Callable[[], object], calls: int = 1, warmup_calls: int = 1) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of ``fn`` (graph-safe), after ``warmup_calls`` calls on a side
+    stream (compiling, autotuning and the allocator's first allocations stay outside the graph)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):  # compile and autotune outside the graph
+        for _ in range(warmup_calls):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
+        for _ in range(calls):
             fn()
+    return graph
+
+
+def time_in_graph(fn: Callable[[], object], calls_per_graph: int = 10, replays: int = 50, warmup: int = 5) -> float:
+    """Median microseconds per call of ``fn`` (which must be graph-safe)."""
+    graph = capture_graph(fn, calls=calls_per_graph, warmup_calls=2)
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()

@@ -13,6 +13,7 @@ import triton
 
 import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, get_config, prepare_weights
+from fmoe2.bench.timing import capture_graph
 from fmoe2.gemm.combine_kernel import _combine_slots_kernel
 from fmoe2.gemm.config import CONFIG_DIR, _load_json, deterministic_config
 from fmoe2.target import target_of
@@ -321,14 +322,7 @@ def test_repeated_calls_and_graph_replays_are_bitwise_equal(qwen3_weights, M, va
     assert ((first.float() - ref).norm() / ref.norm()).item() < 1e-2
     for _ in range(19):
         assert torch.equal(run(), first)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run)
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
