@@ -35,8 +35,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
 from .gemm.config import deterministic_config, fit_fp8_config, fit_lora_config_to_problem, get_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, deltas_in_stages,
-                            forward_specs, fused_kernel_launch, lora_expand_launch, lora_shrink_launch,
-                            stage2_kernel_launch)
+                            forward_specs, fused_kernel_casts, fused_kernel_launch, lora_expand_launch,
+                            lora_shrink_launch, stage2_kernel_launch)
 from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
 from .launch import LaunchSpec
@@ -300,14 +300,22 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
 
     sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
     sort_reports("moe_sorting", sorting)
-    # The fused path's atomic adds go to a float32 accumulator where accumulates_fp32 says so; a cast follows.
-    fused_out = torch.empty(M, H, dtype=torch.float32, **meta) if accumulates_fp32(problem, fused_config) else x
+    # The fused path's atomic adds go to a float32 accumulator where accumulates_fp32 says so; the fused kernel
+    # casts it up to KERNEL_CAST_MAX_TOKENS tokens (fused_kernel_casts), a cast launch above.
+    accumulator = torch.empty(M, H, dtype=torch.float32, **meta)
+
+    def fused_launch(cfg, sorting, quantized_x=None):
+        if fused_kernel_casts(problem, cfg):
+            return fused_kernel_launch(problem, accumulator, sorting, activation, cfg, named, quantized_x=quantized_x,
+                                       cast_to=x, topk_ids=topk_ids)
+        return fused_kernel_launch(problem, accumulator if accumulates_fp32(problem, cfg) else x, sorting, activation,
+                                   cfg, named, quantized_x=quantized_x)
+
     reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
-                    **_compile_spec(fused_kernel_launch(problem, fused_out, sorting, activation, fused_config, named,
-                                                        quantized_x=quantized_x), target)})
-    if fused_out is not x:
-        reports.append({"kernel": "cast", **common, **_compile_spec(combine_launch(problem, x, fused_out, None, None),
-                                                                    target)})
+                    **_compile_spec(fused_launch(fused_config, sorting, quantized_x), target)})
+    if accumulates_fp32(problem, fused_config) and not fused_kernel_casts(problem, fused_config):
+        reports.append({"kernel": "cast", **common,
+                        **_compile_spec(combine_launch(problem, x, accumulator, None, None), target)})
     suffix = ""
     if lora_rank:
         problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
@@ -319,9 +327,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         sort_reports("moe_sorting_lora", sorting, token_lora_ids=problem.token_lora_ids, num_loras=num_loras)
         reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
-                        **_compile_spec(fused_kernel_launch(problem, fused_out if accumulates_fp32(problem, lora_config)
-                                                            else x, sorting, activation, lora_config, named),
-                                        target)})
+                        **_compile_spec(fused_launch(lora_config, sorting), target)})
     if config.path == "two_stage":
         if problem.lora is not None:  # the stages as fused_moe runs them with adapters (lora_in_stages)
             config = fit_lora_config_to_problem(config, M, E, H, inter, topk, dtype, named.num_sms, backend,

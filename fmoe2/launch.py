@@ -16,7 +16,10 @@ argument are part of the key, so the compiled specialisation stays valid.
 
 The launcher call is the one Triton's JIT makes itself (Triton 3.6 to 3.9):
 ``compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
-launch_metadata, enter_hook, exit_hook, *every_argument)``.
+launch_metadata, enter_hook, exit_hook, *every_argument)``. Where the launcher is Triton 3.6's CUDA
+launcher and the kernel needs no scratch memory, a bound launch calls the launcher's C function
+directly with the same arguments (:func:`direct_launcher`): the Python ``__call__`` in between only
+re-packs them and asks for no scratch (measured: docs/host_cost.md).
 """
 from __future__ import annotations
 
@@ -129,6 +132,58 @@ def _descriptor_at(template: TensorDescriptor, base: DevicePointer) -> TensorDes
     return desc
 
 
+# Triton 3.6's CUDA launcher: ``__call__(grid_x, grid_y, grid_z, stream, function, *args)`` allocates the kernel's
+# global and profile scratch (where it has any) and calls ``launch(grid_x, grid_y, grid_z, stream, function,
+# cooperative, pdl, global_scratch, profile_scratch, *args)``, its compiled C function.
+_CUDA_LAUNCHER_36_CALL = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+
+
+@functools.lru_cache(maxsize=None)
+def _call_parameters(launcher_type) -> Tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(launcher_type.__call__).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def direct_launcher(compiled) -> Tuple[Any, tuple]:
+    """``(launch, prefix)``: ``launch(grid_x, grid_y, grid_z, stream, *prefix, *arguments)`` launches
+    ``compiled`` as ``compiled.run(grid_x, grid_y, grid_z, stream, function, packed_metadata, None, None,
+    None, *arguments)`` would. For Triton 3.6's CUDA launcher of a kernel without scratch memory that is
+    its C function with the launch flags ahead; for any other launcher, ``compiled.run`` itself."""
+    run = compiled.run
+    prefix = (compiled.function, compiled.packed_metadata, None, None, None)
+    if (type(run).__name__ == "CudaLauncher" and _call_parameters(type(run)) == _CUDA_LAUNCHER_36_CALL
+            and not getattr(run, "gsan_enabled", False) and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0 and hasattr(run, "launch")):
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                            compiled.packed_metadata, None, None, None)
+    return run, prefix
+
+
+def descriptor_expansion(launch) -> Optional[Tuple[Any, list, Any]]:
+    """``(c_launch, metadata, expand)`` where ``launch`` is Triton 3.6's wrapper of a launcher C function for
+    kernels with tensor-descriptor arguments (``wrap_handle_tensordesc``'s ``inner``): the C function, the
+    compiled metadata of each descriptor argument, and ``make_tensordesc_arg``, which turns a descriptor
+    into the C function's arguments (for a TMA descriptor: ``cuTensorMapEncodeTiled``, on every launch).
+    Bound launches expand each descriptor once per base address instead. None for any other launch."""
+    if getattr(launch, "__name__", "") != "inner" or not getattr(launch, "__closure__", None):
+        return None
+    try:
+        names = inspect.getclosurevars(launch)
+    except (TypeError, ValueError):
+        return None
+    c_launch = names.nonlocals.get("launcher")
+    metadata = names.nonlocals.get("tensordesc_meta")
+    expand = names.globals.get("make_tensordesc_arg")
+    if c_launch is None or metadata is None or expand is None or len(inspect.signature(expand).parameters) != 2:
+        return None
+    return c_launch, list(metadata), expand
+
+
+MAX_CACHED_DESCRIPTORS = 256  # expanded descriptors a bound launch keeps per descriptor argument (one per layer)
+
+
 class BoundLaunch:
     """A :class:`LaunchSpec` bound to its compiled kernel; repeated with new pointers only.
 
@@ -138,8 +193,8 @@ class BoundLaunch:
     else is kept as given. Raises ``KeyError`` when a tensor argument has no source.
     """
 
-    __slots__ = ("name", "grid", "values", "pointer_slots", "descriptor_slots", "run", "function",
-                 "packed_metadata", "compiled")
+    __slots__ = ("name", "grid", "values", "pointer_slots", "descriptor_slots", "run", "prefix", "compiled",
+                 "expansion", "expanded")
 
     def __init__(self, spec: LaunchSpec, compiled, source_of: Dict[int, int]):
         self.name = spec.name
@@ -167,9 +222,13 @@ class BoundLaunch:
         self.pointer_slots = tuple(pointer_slots)
         self.descriptor_slots = tuple(descriptor_slots)
         self.compiled = compiled
-        self.run = compiled.run
-        self.function = compiled.function
-        self.packed_metadata = compiled.packed_metadata
+        self.run, self.prefix = direct_launcher(compiled)
+        # Triton 3.6, kernels with tensor descriptors: the C function, each descriptor's expansion cached by address.
+        self.expansion = descriptor_expansion(self.run) if self.descriptor_slots and self.run is not compiled.run \
+            else None
+        if self.expansion is not None and len(self.expansion[1]) != len(self.descriptor_slots):
+            self.expansion = None
+        self.expanded: List[Dict[int, list]] = [{} for _ in self.descriptor_slots]
 
     def arguments(self, sources: Sequence[int]) -> list:
         """Every argument of the launch, in the kernel's order, with ``sources`` (device addresses,
@@ -185,10 +244,35 @@ class BoundLaunch:
         args = self.values.copy()  # (arguments(), written out: this runs on every launch)
         for position, source in self.pointer_slots:
             args[position] = sources[source]
+        grid_x, grid_y, grid_z = self.grid
+        if self.expansion is not None:
+            self._launch_expanded(stream, sources, args)
+            return
         for position, source, template in self.descriptor_slots:
             args[position] = _descriptor_at(template, DevicePointer(sources[source], template.base.dtype))
+        self.run(grid_x, grid_y, grid_z, stream, *self.prefix, *args)
+
+    def _launch_expanded(self, stream: int, sources: Sequence[int], args: list) -> None:
+        """The launch through the C function, each descriptor replaced by its expansion (made once per base
+        address): what the wrapper would pass, without encoding a TMA descriptor on every launch."""
+        c_launch, metadata, expand = self.expansion
+        final = []
+        start = 0
+        for k, (position, source, template) in enumerate(self.descriptor_slots):
+            ptr = sources[source]
+            cache = self.expanded[k]
+            expanded = cache.get(ptr)
+            if expanded is None:
+                if len(cache) >= MAX_CACHED_DESCRIPTORS:
+                    cache.clear()
+                expanded = cache[ptr] = list(expand(_descriptor_at(template, DevicePointer(ptr, template.base.dtype)),
+                                                    metadata[k]))
+            final += args[start:position]
+            final += expanded
+            start = position + 1
+        final += args[start:]
         grid_x, grid_y, grid_z = self.grid
-        self.run(grid_x, grid_y, grid_z, stream, self.function, self.packed_metadata, None, None, None, *args)
+        c_launch(grid_x, grid_y, grid_z, stream, *self.prefix, *final)
 
 
 def bind_launches(specs: Sequence[LaunchSpec], compiled: Sequence[Any], sources: Sequence[int]
@@ -271,5 +355,6 @@ def run_bound(launches: Sequence[BoundLaunch], sources: Sequence[int], scratch_b
     return block
 
 
-__all__ = ["LaunchSpec", "BoundLaunch", "DevicePointer", "PlanCache", "bind_launches", "set_launch_mode", "launch_mode",
+__all__ = ["LaunchSpec", "BoundLaunch", "DevicePointer", "PlanCache", "bind_launches", "direct_launcher",
+           "descriptor_expansion", "set_launch_mode", "launch_mode",
            "raw_stream", "run_bound", "launch_hooks_set", "direct_launches", "LAUNCH_MODES"]

@@ -8,6 +8,7 @@ import torch
 import fmoe2
 import fmoe2.shapes
 from fmoe2 import fused_moe, moe_sorting, prepare_weights
+from fmoe2.bench.timing import capture_graph
 from helpers import REL_TOL, make_problem, poisoned, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -294,6 +295,38 @@ def test_lora_bf16_deltas_in_the_stages_take_tensor_descriptors(M, tma):
                     out=poisoned(M, H, torch.bfloat16, "cuda"))
     err = rel_error(out, reference32(x, w1, w2, tw, ti, lora=lora, token_lora_ids=lora_ids))
     assert torch.isfinite(out).all() and err <= REL_TOL[torch.bfloat16], f"M={M} tma={tma}: {err:.3e}"
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_the_fused_kernels_cast_at_decode_is_whole_on_every_call_and_replay(shape):
+    # At M=1 the fused kernel casts its float32 accumulator itself: the program that makes the token's last atomic
+    # add (counted after a barrier and a release) reads the row from L2 and writes it. A missed add or a read
+    # before the others' adds landed would show as a partial row: 40 eager calls and 40 graph replays into NaN
+    # outputs, each against the float32 reference; a token routed only to another rank's experts is zeroed.
+    E, H, I, topk = fmoe2.shapes.SHAPES[shape]
+    x, w1, w2, tw, ti = make_problem(1, E, H, I, topk, torch.bfloat16, device="cuda", seed=11)
+    prepared = prepare_weights(w1, w2)
+    ref = reference32(x, w1, w2, tw, ti)
+    out = poisoned(1, H, torch.bfloat16, device="cuda")
+    outs = []
+    for _ in range(40):
+        out.fill_(float("nan"))
+        fused_moe(x, prepared, None, tw, ti, out=out, path="fused")
+        outs.append(out.clone())
+    graph = capture_graph(lambda: fused_moe(x, prepared, None, tw, ti, out=out, path="fused"))
+    for _ in range(40):
+        out.fill_(float("nan"))
+        graph.replay()
+        outs.append(out.clone())
+    for result in outs:
+        assert torch.isfinite(result).all() and rel_error(result, ref) <= REL_TOL[torch.bfloat16]
+    # the same sum in another order: at most a few bf16 steps apart
+    assert max((o.float() - outs[0].float()).abs().max().item() for o in outs) <= 4e-3 * ref.abs().max().item()
+    expert_map = torch.full((2 * E,), -1, dtype=torch.int32, device="cuda")
+    expert_map[:E] = torch.arange(E, dtype=torch.int32, device="cuda")
+    out.fill_(float("nan"))
+    fused_moe(x, prepared, None, tw, torch.full_like(ti, E + 1), out=out, path="fused", expert_map=expert_map)
+    assert (out == 0).all()
 
 
 def test_target_reads_each_device():

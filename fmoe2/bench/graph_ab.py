@@ -28,12 +28,28 @@ from .timing import time_interleaved
 
 
 def import_copy(path: str, name: str = "fmoe2_other"):
-    """The ``fmoe2`` package under ``path``, imported as ``name`` (its imports are relative)."""
+    """The ``fmoe2`` package under ``path``, imported as ``name`` (its imports are relative). Its torch.library
+    ops (``fmoe2/ops.py``) register under the namespace ``name``: torch takes one definition per namespace."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(path, "fmoe2", "__init__.py"),
                                                   submodule_search_locations=[os.path.join(path, "fmoe2")])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    library, register_fake = torch.library.Library, torch.library.register_fake
+
+    class Renamed(library):
+        def __init__(self, ns, *args, **kwargs):
+            super().__init__(name if ns == "fmoe2" else ns, *args, **kwargs)
+
+    def renamed_fake(op, *args, **kwargs):
+        if isinstance(op, str) and op.startswith("fmoe2::"):
+            op = name + op[len("fmoe2"):]
+        return register_fake(op, *args, **kwargs)
+
+    torch.library.Library, torch.library.register_fake = Renamed, renamed_fake
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        torch.library.Library, torch.library.register_fake = library, register_fake
     return module
 
 

@@ -16,9 +16,11 @@ shapes at M=1, bf16, prepared weights, in one run on the GPU:
 * a two-layer MoE module (router, top-k, fused_moe, residual) per step: eager, and under
   ``torch.compile`` (``fullgraph=True``; default mode, and ``mode="reduce-overhead"``).
 
-Host time per call: ``time.perf_counter`` around ``CALLS`` back-to-back calls without
-synchronising (few enough that the GPU's launch queue never fills), divided by ``CALLS``, median
-of ``ROUNDS`` rounds, each round starting on an idle GPU. Writes ``<out-dir>/host/<device>.json`` and ``.md``.
+Host time per call: the median over ``ROUNDS`` rounds of ``CALLS`` back-to-back calls (no synchronising
+within a round, each round starting on an idle GPU) of ``time.perf_counter_ns`` around each call. The
+median of single calls leaves out the calls that a garbage collection or an interrupt lands in, and the
+rounds are short enough that a forward slower on the GPU than on the host (Mixtral) never fills the
+launch queue. Writes ``<out-dir>/host/<device>.json`` and ``.md``.
 """
 from __future__ import annotations
 
@@ -42,9 +44,10 @@ from .provenance import provenance_line, run_record, write_result
 from .timing import time_in_graph
 
 # Back-to-back calls per round: few enough that the GPU's launch queue never fills (at Mixtral M=1 a forward
-# takes 240 us on the GPU against 30 on the host; 200 calls of 3 launches each made the host wait, 2026-11-25).
-CALLS = 50
-ROUNDS = 21
+# takes 240 us on the GPU against 30 on the host; 200 calls of 3 launches each made the host wait, 2026-11-25;
+# rounds of 50 calls timed as a whole still varied by up to 2x between runs of one code on the H200, 2026-11-26).
+CALLS = 10
+ROUNDS = 101
 EAGER_CALLS = 200  # calls between the events of the back-to-back eager timing
 COMPILED_LAYERS = 2
 
@@ -55,18 +58,19 @@ def _empty_kernel(x_ptr, n):
 
 
 def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
-    """Median host microseconds per call of ``fn`` over ``rounds`` rounds of ``calls`` back-to-back calls."""
+    """Median host microseconds of one call of ``fn``, over ``rounds`` rounds of ``calls`` back-to-back calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    clock = time.perf_counter_ns
     samples = []
     for _ in range(rounds):
-        start = time.perf_counter()
         for _ in range(calls):
+            start = clock()
             fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
+            samples.append(clock() - start)
         torch.cuda.synchronize()
-    return statistics.median(samples)
+    return statistics.median(samples) / 1e3
 
 
 def eager_event_us(fn, calls: int = 1, rounds: int = 21) -> float:
@@ -96,8 +100,13 @@ def reference_costs() -> dict:
     bound = bind_launches([spec], [compiled], [x.data_ptr()])[0]
     index = torch.cuda.current_device()
     sources = [x.data_ptr()]
+    args = bound.arguments(sources)
     return {
         "triton_empty_kernel_jit": host_us(lambda: _empty_kernel[(1,)](x, 64)),
+        # The compiled kernel's launcher as the JIT calls it, with the arguments bound ...
+        "triton_empty_kernel_run": host_us(lambda: compiled.run(1, 1, 1, raw_stream(index), compiled.function,
+                                                                compiled.packed_metadata, None, None, None, *args)),
+        # ... and as a bound launch calls it (fmoe2.launch.direct_launcher: Triton 3.6's C launch function).
         "triton_empty_kernel_bound": host_us(lambda: bound(raw_stream(index), sources)),
         "torch_add": host_us(lambda: torch.add(x, y)),
         "torch_empty": host_us(lambda: torch.empty(64, device="cuda")),

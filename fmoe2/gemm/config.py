@@ -102,9 +102,10 @@ class FusedMoEConfig:
     # Stage-2 programs per output tile, each over a share of I (more, shorter programs; S2_SPLIT_K
     # times the atomic adds per output element).
     S2_SPLIT_K: int = 1
-    # The atomic adds go to a float32 accumulator [M, H] (zeroed by the sort) that one more launch casts to
-    # the output dtype: one rounding of each output element instead of one per add. None: the rule of
-    # fmoe2/gemm/launches.py's accumulates_fp32 (on the fused path with 16-bit weights and outputs).
+    # The atomic adds go to a float32 accumulator [M, H] (zeroed by the sort) that is cast to the output dtype
+    # (by the fused kernel at M=1, by one more launch elsewhere: launches.fused_kernel_casts): one rounding of
+    # each output element instead of one per add. None: the rule of fmoe2/gemm/launches.py's accumulates_fp32
+    # (on the fused path with 16-bit weights and outputs).
     accumulate_fp32: Optional[bool] = None
 
     def __post_init__(self):

@@ -8,10 +8,15 @@ columns of the intermediate dimension:
     out[tile]       += y @ W_down[e, :, slice]^T                                   (over H in BLOCK_H chunks,
                                                                                     relaxed atomic adds)
 
-Each output element therefore receives ``topk * ceil(I / BLOCK_N)`` atomic adds in the output
-dtype. Programs are ordered so the slices of GROUP_M neighbouring tiles run together: with
-GROUP_M=1 all slices of one tile are adjacent in launch order (its output rows stay hot in L2
-while they are added to); a larger GROUP_M lets tiles of one expert share weight slices in L2.
+Each output element therefore receives ``topk * ceil(I / BLOCK_N)`` atomic adds, in the output
+dtype or (``FusedMoEConfig.accumulate_fp32``, the default with 16-bit outputs) into a float32
+accumulator; with CAST_FINISHED_ROWS (at M=1: ``launches.fused_kernel_casts``) the program that makes
+a token's last add casts its row to the output, counted by per-token counters after the accumulator
+(``_cast_finished_rows``; docs/host_cost.md#one-launch-fewer-at-decode).
+
+Programs are ordered so the slices of GROUP_M neighbouring tiles run together: with GROUP_M=1 all
+slices of one tile are adjacent in launch order (its output rows stay hot in L2 while they are added
+to); a larger GROUP_M lets tiles of one expert share weight slices in L2.
 
 With ``STORE_Y`` the kernel is stage 1 of the two-stage path: it stores ``y`` (routing weight
 applied) in sorted row order and skips the down GEMM, which ``grouped_gemm_kernel`` then does.
@@ -48,6 +53,7 @@ import triton.language as tl
 
 from ..fp8 import _quantize_rows
 from ..grid_dependency import dependent_launch_prologue
+from ..sorting.moe_sorting import _routed_sort_key
 from .lora_kernel import (_down_shrink, _expand_gate_up, _own_rows, _own_shrink, _shrink_step, _slice_tile,
                           _split_gate_up, _stack, _tile_slots)
 
@@ -219,6 +225,70 @@ def _down(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_
 
 
 @triton.jit
+def _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK: tl.constexpr,
+                NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr):
+    """[BLOCK_M] int32: how many of each row's token's top-k slots route to a local expert, by the sort's
+    own rule (``_routed_sort_key`` below NUM_EXPERTS); 0 for invalid rows."""
+    kept = tl.zeros(token.shape, dtype=tl.int32)
+    for slot in tl.static_range(TOPK):
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, None, token * TOPK + slot, row_valid,
+                               num_global_experts, 0, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, False)
+        kept += (key < NUM_EXPERTS).to(tl.int32)
+    return kept
+
+
+@triton.jit
+def _cast_finished_rows(acc_rows, final_rows, token, add_counts, row_valid, expected_adds, H, stride_acc_m,
+                        stride_final_m, acc_ptr, final_ptr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Counts this program's adds into its rows and casts each row it finished (its token's last add:
+    ``expected_adds``) from the float32 accumulator to the output.
+
+    ``acc_rows``/``final_rows``: [BLOCK_M, 1] row pointers; ``add_counts``: [BLOCK_M] pointers to the
+    rows' tokens' add counters (zeroed by the sort). The barrier puts every thread's atomic adds of
+    this program before the counter's release; the counter's acquire puts the other programs' adds of
+    a finished row before its loads, which go to L2 (".cg") where the atomics are. One finished row (the
+    usual case at decode sizes: a tile holds few rows) is cast with the whole program on it, BLOCK_M *
+    BLOCK_H columns a step, so its cast takes one or two steps of load latency."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(add_counts, 1, mask=row_valid, sem="acq_rel")
+    finished = row_valid & (seen == expected_adds - 1)
+    num_finished = tl.sum(finished.to(tl.int32), axis=0)
+    if num_finished == 1:
+        row = tl.sum(tl.where(finished, token, 0), axis=0)
+        offs = tl.arange(0, BLOCK_M * BLOCK_H)
+        for h0 in range(0, H, BLOCK_M * BLOCK_H):
+            cols = h0 + offs
+            v = tl.load(acc_ptr + row * stride_acc_m + cols, mask=cols < H, other=0.0, cache_modifier=".cg")
+            tl.store(final_ptr + row * stride_final_m + cols, v.to(final_ptr.dtype.element_ty), mask=cols < H)
+    elif num_finished > 1:
+        offs_h0 = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + offs_h0
+            mask = finished[:, None] & (offs_h < H)[None, :]
+            v = tl.load(acc_rows + offs_h[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(final_rows + offs_h[None, :], v.to(final_rows.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, first_token, num_tokens, num_global_experts, H,
+                        stride_final_m, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, TOPK: tl.constexpr,
+                        NUM_EXPERTS: tl.constexpr, HAS_EXPERT_MAP: tl.constexpr):
+    """Zeroes the output rows of BLOCK_M tokens from ``first_token`` that route to no local expert: no
+    program adds into them, so none would cast them."""
+    token = first_token + tl.arange(0, BLOCK_M).to(tl.int64)
+    valid = token < num_tokens
+    unrouted = valid & (_kept_slots(topk_ids_ptr, expert_map_ptr, token, valid, num_global_experts, TOPK,
+                                    NUM_EXPERTS, HAS_EXPERT_MAP) == 0)
+    if tl.max(unrouted.to(tl.int32), axis=0) > 0:
+        offs_h0 = tl.arange(0, BLOCK_H)
+        zeros = tl.zeros([BLOCK_M, BLOCK_H], dtype=final_out_ptr.dtype.element_ty)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + offs_h0
+            tl.store(final_out_ptr + token[:, None] * stride_final_m + offs_h[None, :], zeros,
+                     mask=unrouted[:, None] & (offs_h < H)[None, :])
+
+
+@triton.jit
 def _fused_moe_kernel(
     x_ptr,  # [M, H] bf16/fp16/fp32
     w1_ptr,  # plain: [E, 2I, H] gate rows then up rows; interleaved: [E, 2*I_pad, H_pad] (g0, u0, g1, u1, ...)
@@ -321,9 +391,21 @@ def _fused_moe_kernel(
     # Sorted ids are token * IDS_PER_TOKEN + slot (padding M * IDS_PER_TOKEN) where > 1: the deterministic
     # mode's stage 1, whose stage 2 then stores one row per (token, slot) (fmoe2/gemm/combine_kernel.py)
     IDS_PER_TOKEN: tl.constexpr = 1,
+    # The fused path's float32 accumulator (CAST_FINISHED_ROWS): out_ptr is the accumulator [M, H] followed by M
+    # int32 add counters, both zeroed by the sort; the program that makes a token's last atomic add casts its row
+    # to final_out, and cdiv(M, BLOCK_M) programs after the GEMM programs zero the rows of tokens routed nowhere.
+    final_out_ptr=None,  # [M, H] input dtype
+    topk_ids_ptr=None,  # [M * TOPK] int32/int64: each row's expected adds are its kept slots times the slices
+    expert_map_ptr=None,  # [num_global_experts] int32 (HAS_EXPERT_MAP only)
+    num_global_experts=0,
+    stride_final_m=0,
+    CAST_FINISHED_ROWS: tl.constexpr = False,
+    TOPK: tl.constexpr = 1,
+    NUM_EXPERTS: tl.constexpr = 1,
+    HAS_EXPERT_MAP: tl.constexpr = False,
 ):
-    """Grid: (num_grid_tiles * cdiv(I, BLOCK_N),); programs past ``num_sorted_tiles`` or on a gap
-    tile (expert -1) exit at once.
+    """Grid: (num_grid_tiles * cdiv(I, BLOCK_N) [+ cdiv(M, BLOCK_M) with CAST_FINISHED_ROWS],); programs past
+    ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once.
 
     Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and
     no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
@@ -336,6 +418,13 @@ def _fused_moe_kernel(
         batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
     pid = tl.program_id(0)
     num_slices = tl.cdiv(I, BLOCK_N)
+    if CAST_FINISHED_ROWS:
+        if pid >= num_grid_tiles * num_slices:
+            _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
+                                (pid - num_grid_tiles * num_slices).to(tl.int64) * BLOCK_M, num_tokens,
+                                num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS,
+                                HAS_EXPERT_MAP)
+            return
     programs_per_group = GROUP_M * num_slices
     first_tile = (pid // programs_per_group) * GROUP_M
     group_tiles = tl.minimum(num_grid_tiles - first_tile, GROUP_M)
@@ -519,6 +608,9 @@ def _fused_moe_kernel(
         else:
             bias2_expert = w2_bias_ptr
         bias_weight = tl.where(slice_id == 0, route_weight, 0.0)
+        if CAST_FINISHED_ROWS:  # loaded before the down loop, whose time hides it
+            expected_adds = _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK,
+                                        NUM_EXPERTS, HAS_EXPERT_MAP) * num_slices
         if num_present == 0:
             _down(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, y, offs_n, n_valid,
                   w2_desc, w2_row0, slice_id * BLOCK_N, bias2_expert, bias_weight, BLOCK_M, BLOCK_H, True, False, None,
@@ -553,3 +645,8 @@ def _fused_moe_kernel(
                                        row_scale),
                           lb2_rows, lb2_used, w2_desc, w2_row0, slice_id * BLOCK_N, bias2_expert, bias_weight, BLOCK_M,
                           BLOCK_H, False, True, LORA_STAGES)
+        if CAST_FINISHED_ROWS:
+            add_counts = (out_ptr + num_tokens * stride_out_m).to(tl.pointer_type(tl.int32), bitcast=True) + token
+            _cast_finished_rows(out_rows, final_out_ptr + token[:, None] * stride_final_m, token, add_counts,
+                                row_valid, expected_adds, H, stride_out_m, stride_final_m, out_ptr, final_out_ptr,
+                                BLOCK_M, BLOCK_H)

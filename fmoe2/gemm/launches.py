@@ -314,21 +314,29 @@ def fp8_launch_values(problem: MoEProblem, target: Target) -> Tuple[dict, dict]:
 
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
                         config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace] = None,
-                        quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> LaunchSpec:
+                        quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                        cast_to: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
+                        expert_map: Optional[torch.Tensor] = None) -> LaunchSpec:
     """The fused kernel's launch.
 
     With ``workspace`` it is stage 1 of the two-stage path: it stores the intermediate into
     ``workspace.y`` (and, with adapters, adds the gate/up deltas of ``workspace.lora_delta13``).
     ``quantized_x``: ``(x_q, x_scale)`` of an fp8 forward, filled by the sort launch (required with fp8).
+    ``cast_to`` (fused path): the output, where ``out`` is a float32 accumulator ``[M, H]`` followed in
+    memory by M int32 add counters (:func:`fused_accumulator`); the kernel casts each finished row to
+    ``cast_to`` itself (it needs ``topk_ids`` and ``expert_map`` to know how many adds a row gets).
     """
     if problem.fp8 and quantized_x is None:
         raise ValueError("an fp8 forward's fused kernel reads x quantized by the sort launch: quantized_x is None")
+    if cast_to is not None and (workspace is not None or topk_ids is None):
+        raise ValueError("the fused kernel casts its accumulator on the fused path only, and needs topk_ids")
     y = workspace.y if workspace is not None else None
     delta13 = workspace.lora_delta13 if workspace is not None else None
     # Deltas in the stages: stage 1 stores its slices' down shrinks.
     shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
     num_grid_tiles = grid_tiles(problem, sorting.block_m)
-    grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N),)
+    grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N)
+            + (triton.cdiv(problem.num_tokens, config.BLOCK_M) if cast_to is not None else 0),)
     tma = tma_enabled(config, problem, target)
     has_lora = problem.lora is not None
     args = dict(
@@ -353,6 +361,10 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         lora_shrink2_ptr=shrink2,
         stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else None,
     )
+    if cast_to is not None:
+        args.update(final_out_ptr=cast_to, topk_ids_ptr=topk_ids, expert_map_ptr=expert_map,
+                    num_global_experts=expert_map.numel() if expert_map is not None else problem.num_experts,
+                    stride_final_m=cast_to.stride(0))
     fp8_args, fp8_consts = fp8_launch_values(problem, target)
     args.update(fp8_args)
     y_scale = workspace.y_scale if workspace is not None else None
@@ -377,6 +389,9 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         IDS_PER_TOKEN=problem.topk if problem.deterministic else 1,
         **problem_lora_constexprs(problem),
     )
+    if cast_to is not None:
+        constexprs.update(CAST_FINISHED_ROWS=True, TOPK=problem.topk, NUM_EXPERTS=problem.num_experts,
+                          HAS_EXPERT_MAP=expert_map is not None)
     return LaunchSpec("fused" if workspace is None else "stage1", _fused_moe_kernel, grid, args, constexprs,
                       {**config.launch_options(target.backend), **_pdl_option(pdl)})
 
@@ -535,9 +550,10 @@ def forward_specs(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: tor
     chunked), then ``fused``, or ``stage1`` and ``stage2`` (with adapters, unless the stages compute
     the deltas (:func:`deltas_in_stages`), ``lora_shrink13`` and ``lora_expand13`` before stage 1,
     ``lora_shrink2`` and ``lora_expand2`` before stage 2), and in deterministic mode ``combine`` last.
-    ``workspace`` is None on the fused path. ``accumulator``: a float32 ``[M, H]`` buffer
-    (``FusedMoEConfig.accumulate_fp32``): the sort zeroes it, the GEMMs add into it, and a last launch,
-    ``cast``, writes it to ``out``.
+    ``workspace`` is None on the fused path. ``accumulator``: the float32 buffer of
+    ``FusedMoEConfig.accumulate_fp32`` (:func:`forward_buffers`): the sort zeroes it and the GEMMs add
+    into it; where :func:`fused_kernel_casts` the fused kernel casts each finished row to ``out`` itself,
+    elsewhere a last launch, ``cast``, writes it to ``out``.
     ``quantized_x``: ``(x_q, x_scale)`` buffers of an fp8 forward, which the sort fills."""
     lora = problem.lora
     pdl = pdl_enabled(config, target)
@@ -557,8 +573,13 @@ def forward_specs(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: tor
                               launch_dependents=pdl, num_compute_units=target.num_sms, x_quantization=x_quantization)
     cast = [combine_launch(problem, final_out, accumulator, None, None)] if accumulator is not None else []
     if workspace is None:
-        return specs + [fused_kernel_launch(problem, out, sorting, activation, config, target,
-                                            quantized_x=quantized_x)] + cast
+        cast_to = None
+        if fused_kernel_casts(problem, config):  # [M * H + M]: the rows, then the add counters the kernel casts by
+            rows = accumulator[:problem.num_tokens * problem.hidden_size]
+            out, cast_to = rows.view(problem.num_tokens, problem.hidden_size), final_out
+            cast = []
+        return specs + [fused_kernel_launch(problem, out, sorting, activation, config, target, quantized_x=quantized_x,
+                                            cast_to=cast_to, topk_ids=topk_ids, expert_map=expert_map)] + cast
     lora_launches = lora is not None and not deltas_in_stages(problem, config)
     if lora_launches:
         specs += [lora_shrink_launch(problem, sorting, workspace, False, target, pdl),
@@ -588,17 +609,37 @@ def forward_buffers(problem: MoEProblem, config: FusedMoEConfig, target: Target,
     if config.path == "two_stage":
         buffers += TwoStageWorkspace.buffers(problem, config.BLOCK_M, config, target)
     if accumulates_fp32(problem, config):
-        buffers.append(("accumulator", torch.float32, (problem.num_tokens, problem.hidden_size)))
+        M, H = problem.num_tokens, problem.hidden_size
+        # The fused kernel counts each token's adds after its rows (int32, zeroed with them by the sort).
+        buffers.append(("accumulator", torch.float32, (M * H + M,) if fused_kernel_casts(problem, config) else (M, H)))
     return buffers
 
 
+# Batch sizes up to which the fused kernel casts its float32 accumulator itself (one launch fewer: about 4.5 us of
+# host time per call on the H200) instead of a cast launch after it. Same-run CUDA-graph time over the cast launch
+# (H200, Qwen3 / DeepSeek-V2-Lite, 2026-11-26): 0.997x / 0.995x at M=1, 1.086x / 1.004x at 2, 1.006x / 1.011x at 4,
+# 1.015x / 1.031x at 8, 1.014x / 1.008x at 16, 1.019x / 1.022x at 128: from two tokens on the kernel's own cast
+# cost more GPU time than the cast launch (where the time goes was not measured;
+# docs/host_cost.md#one-launch-fewer-at-decode).
+KERNEL_CAST_MAX_TOKENS = 1
+
+
+def fused_kernel_casts(problem: MoEProblem, config: FusedMoEConfig) -> bool:
+    """Whether the fused kernel casts its float32 accumulator to the output itself (the fused path with the
+    accumulator, up to :data:`KERNEL_CAST_MAX_TOKENS` tokens), each row by the program that adds into it last."""
+    return (config.path == "fused" and problem.num_tokens <= KERNEL_CAST_MAX_TOKENS
+            and accumulates_fp32(problem, config))
+
+
 def accumulates_fp32(problem: MoEProblem, config: FusedMoEConfig) -> bool:
-    """Whether the forward's atomic adds go to a float32 accumulator that a last launch casts to the output
-    (never in deterministic mode, which sums in float32 already): ``config.accumulate_fp32`` where set,
+    """Whether the forward's atomic adds go to a float32 accumulator cast to the output at the end (by the fused
+    kernel itself where :func:`fused_kernel_casts`, else by a last launch; never in deterministic mode, which
+    sums in float32 already): ``config.accumulate_fp32`` where set,
     else on the fused path with 16-bit weights and outputs. There the fused kernel adds ``topk * ceil(I /
     BLOCK_N)`` partial results into each output element, each add rounding in bf16, and its error was 2.2-3.2x
     the unfused vLLM-style path's (H100, Qwen3 and DeepSeek-V2-Lite, M=1-128); with the accumulator 0.60-0.63x,
-    for 1.2-5.5% more time in CUDA graphs and one more launch. The two-stage path adds ``topk * S2_SPLIT_K``
+    for 1.2-5.5% more time in CUDA graphs (measured with a cast launch at every M). The two-stage path adds
+    ``topk * S2_SPLIT_K``
     times, within 1.12x of that error, where an accumulator cost up to 11.5% (docs/numerics.md#the-default-modes-error).
     fp8 weights keep 16-bit adds (the accumulator is not measured with them)."""
     if problem.deterministic:
@@ -622,4 +663,5 @@ def forward_buffer_views(problem: MoEProblem, config: FusedMoEConfig, views: dic
 
 __all__ = ["MoEProblem", "TwoStageWorkspace", "forward_specs", "forward_buffers", "forward_buffer_views",
            "fused_kernel_launch", "stage2_kernel_launch", "lora_shrink_launch", "lora_expand_launch",
-           "combine_launch", "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs", "grid_tiles"]
+           "combine_launch", "fused_kernel_casts", "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs",
+           "grid_tiles"]

@@ -177,9 +177,16 @@ def _runtime_fallback_reason(weight, hidden_states) -> str:
     return ""
 
 
-def call_fallback_reason(module, hidden_states) -> str:
+def _weight(module, name: str) -> torch.Tensor:
+    """A parameter of the module, read from its parameter dict (``nn.Module.__getattr__`` costs more, on
+    every layer of every decode step); a weight held otherwise, by attribute."""
+    weight = module._parameters.get(name)
+    return weight if weight is not None else getattr(module, name)
+
+
+def call_fallback_reason(module, hidden_states, weight: Optional[torch.Tensor] = None) -> str:
     """Why this call cannot run on fmoe2 although the module can ("" when it can)."""
-    weight = module.gate_up_proj
+    weight = weight if weight is not None else _weight(module, "gate_up_proj")
     if hidden_states.dtype != weight.dtype:
         return f"hidden states ({hidden_states.dtype}) and expert weights ({weight.dtype}) differ in dtype"
     return _runtime_fallback_reason(weight, hidden_states)
@@ -225,20 +232,22 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"fmoe2"`` experts backend: ``fmoe2.fused_moe`` on the module's parameters, in place."""
     spec = experts_spec(module)
-    reason = spec.fallback or call_fallback_reason(module, hidden_states)
-    adapters = getattr(module, ADAPTERS_ATTRIBUTE, None)
+    w1 = None if spec.fallback else _weight(module, "gate_up_proj")
+    reason = spec.fallback or call_fallback_reason(module, hidden_states, w1)
+    # (set by fmoe2.integrations.peft as a plain attribute: in the instance dict, no __getattr__ miss)
+    adapters = module.__dict__.get(ADAPTERS_ATTRIBUTE)
     lora = adapters.call_arguments(hidden_states) if adapters is not None else {}
     if reason:
         if lora:  # transformers' backends know nothing of fmoe2's adapters: never drop them silently
             raise RuntimeError(f"fmoe2 experts backend: {type(module).__name__} has LoRA adapters selected but "
                                f"cannot run on fmoe2: {reason}")
         return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
-    w1, w2 = module.gate_up_proj, module.down_proj
+    w2 = _weight(module, "down_proj")
     if getattr(module, "is_transposed", False):  # [E, H, 2I] / [E, I, H]: read through their strides
         w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
     biases = {}
     if getattr(module, "has_bias", False):
-        biases = dict(w1_bias=module.gate_up_proj_bias, w2_bias=module.down_proj_bias)
+        biases = dict(w1_bias=_weight(module, "gate_up_proj_bias"), w2_bias=_weight(module, "down_proj_bias"))
     if not hidden_states.is_contiguous():
         hidden_states = hidden_states.contiguous()
     return fused_moe(hidden_states, w1, w2, top_k_weights, top_k_index, activation=spec.activation,

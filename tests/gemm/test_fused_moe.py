@@ -385,37 +385,104 @@ def test_forward_with_the_chunked_sort(path, monkeypatch):
     assert_matches_reference(out, x, w1[::2], w2[::2], tw, ti, expert_map=expert_map.to(DEVICE))
 
 
-@pytest.mark.parametrize("path", ["fused", "two_stage"])
-def test_float32_accumulator_is_zeroed_added_into_and_cast_last(path):
-    # accumulate_fp32: the GEMMs add into a float32 buffer the sort zeroes; a last launch casts it to out.
+@pytest.fixture
+def kernel_casts_up_to():
+    """Sets launches.KERNEL_CAST_MAX_TOKENS for a test (the fused kernel's cast is general; the default uses it at
+    M=1 only), with the plan cache cleared around it (plans lay out the accumulator by the rule)."""
+    from fmoe2.gemm import launches
+
+    saved = launches.KERNEL_CAST_MAX_TOKENS
+
+    def set_to(tokens):
+        fmoe2.clear_plan_cache()
+        launches.KERNEL_CAST_MAX_TOKENS = tokens
+
+    yield set_to
+    launches.KERNEL_CAST_MAX_TOKENS = saved
+    fmoe2.clear_plan_cache()
+
+
+@pytest.mark.parametrize("path,M,cast_up_to", [("fused", 1, None), ("fused", 2, None), ("fused", 16, 16),
+                                               ("fused", 17, 16), ("two_stage", 1, None)])
+def test_float32_accumulator_is_zeroed_added_into_and_cast(path, M, cast_up_to, kernel_casts_up_to):
+    # accumulate_fp32: the GEMMs add into a float32 buffer the sort zeroes. On the fused path up to
+    # launches.KERNEL_CAST_MAX_TOKENS tokens (1 by default) the kernel casts each token's row once its last add
+    # is in (two launches); above, and on the two-stage path, a last launch casts.
     from fmoe2.gemm.fused_moe import forward_launches
     from helpers import make_lora, make_token_lora_ids
 
-    M, E, H, I, topk = 19, 10, 24, 20, 8
+    if cast_up_to is not None:
+        kernel_casts_up_to(cast_up_to)
+    E, H, I, topk = 10, 24, 20, 8
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float16, seed=1)
     cfg = replace(SMALL, accumulate_fp32=True)
     out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, H, torch.float16), config=cfg, path=path)
     assert_matches_reference(out, x, w1, w2, tw, ti)
     names = [name for name, _ in forward_launches(x, w1, w2, tw, ti, config=cfg, path=path)]
-    assert names[-1] == "cast" and names.count("cast") == 1
+    kernel_casts = path == "fused" and M <= (cast_up_to or 1)
+    expected = (["sort", "fused"] if kernel_casts else
+                ["sort", "fused", "cast"] if path == "fused" else ["sort", "stage1", "stage2", "cast"])
+    assert names == expected, names
     lora, token_lora_ids = make_lora(2, E, H, I, 16, torch.float16), make_token_lora_ids(M, 2)
-    out = fused_moe(x, w1, w2, tw, ti, config=cfg, path=path, lora=lora, token_lora_ids=token_lora_ids)
+    out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, H, torch.float16), config=cfg, path=path, lora=lora,
+                    token_lora_ids=token_lora_ids)
     assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=token_lora_ids)
     assert FusedMoEConfig.from_dict(cfg.to_dict()) == cfg and "accumulate_fp32" not in SMALL.to_dict()
 
 
+@pytest.mark.parametrize("topk", [1, 3, 8])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_the_fused_kernel_casts_every_row_once_its_last_add_is_in(topk, block_n, kernel_casts_up_to):
+    # Rows get topk * cdiv(I, BLOCK_N) adds from programs of several tiles (a program may finish several rows);
+    # tokens whose slots all route to other ranks' experts (expert_map -1) or outside [0, E) get none and must
+    # still come out zero; a token routed twice to one expert counts both adds.
+    kernel_casts_up_to(64)
+    M, E, H, I = 37, 6, 40, 72
+    x, w1, w2, tw, ti = make_problem(M, 2 * E, H, I, topk, torch.float16, seed=topk)
+    expert_map = torch.full((2 * E,), -1, dtype=torch.int32)
+    expert_map[::2] = torch.arange(E, dtype=torch.int32)
+    ti = ti.clone()
+    ti[3] = 1  # every slot on another rank's expert
+    ti[5] = 2 * E + 7  # every slot outside [0, E_global)
+    ti[8] = 0  # every slot on local expert 0 (duplicates)
+    ti, expert_map = ti.to(DEVICE), expert_map.to(DEVICE)
+    local_w1, local_w2 = w1[::2].contiguous(), w2[::2].contiguous()
+    cfg = replace(SMALL, BLOCK_N=block_n, accumulate_fp32=True)
+    out = fused_moe(x, local_w1, local_w2, tw, ti, expert_map=expert_map, out=poisoned(M, H, torch.float16),
+                    config=cfg, path="fused")
+    assert_matches_reference(out, x, local_w1, local_w2, tw, ti, expert_map=expert_map)
+    assert (out[3] == 0).all() and (out[5] == 0).all()
+    # Without a map, int64 ids: the same rule.
+    ids = ti.to(torch.int64) // 2
+    ids[5] = E + 3
+    out = fused_moe(x, local_w1, local_w2, tw, ids, out=poisoned(M, H, torch.float16), config=cfg, path="fused")
+    assert_matches_reference(out, x, local_w1, local_w2, tw, ids)
+    assert (out[5] == 0).all()
+
+
+def test_the_fused_kernel_casts_one_token():
+    # M=1 (decode): one tile per routed expert, the zeroing program has one row.
+    x, w1, w2, tw, ti = make_problem(1, 8, 48, 40, 4, torch.float16, seed=2)
+    out = fused_moe(x, w1, w2, tw, ti, out=poisoned(1, 48, torch.float16), config=SMALL, path="fused")
+    assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
 def test_the_default_accumulates_in_float32_only_on_the_fused_path_with_16_bit_outputs():
-    # launches.accumulates_fp32: fused path, fp16/bf16 -> a float32 accumulator and a cast launch last;
-    # float32 outputs, the two-stage path and accumulate_fp32=False add into out itself.
+    # launches.accumulates_fp32: fused path, fp16/bf16 -> a float32 accumulator, cast by the fused kernel at M=1
+    # (its counters after the rows), by a cast launch above; float32 outputs, the two-stage path and
+    # accumulate_fp32=False add into out itself.
     from fmoe2.gemm.fused_moe import forward_launches
 
-    M, E, H, I, topk = 9, 4, 32, 32, 2
-    for dtype, config, path, cast in [(torch.float16, SMALL, "fused", True),
+    E, H, I, topk = 4, 32, 32, 2
+    for M, (dtype, config, path, cast) in [(M, case) for M in (1, 9) for case in [(torch.float16, SMALL, "fused", True),
                                       (torch.float32, SMALL, "fused", False),
                                       (torch.float16, SMALL, "two_stage", False),
-                                      (torch.float16, replace(SMALL, accumulate_fp32=False), "fused", False)]:
+                                      (torch.float16, replace(SMALL, accumulate_fp32=False), "fused", False)]]:
         x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=4)
-        names = [name for name, _ in forward_launches(x, w1, w2, tw, ti, config=config, path=path)]
-        assert (names[-1] == "cast") == cast, (dtype, path, config.accumulate_fp32, names)
+        launches = forward_launches(x, w1, w2, tw, ti, config=config, path=path)
+        fused = [run.spec for name, run in launches if name == "fused"]
+        names = [name for name, _ in launches]
+        assert bool(fused and fused[0].constexprs.get("CAST_FINISHED_ROWS")) == (cast and M == 1), names
+        assert ("cast" in names) == (cast and M > 1), (dtype, path, config, names)
         out = fused_moe(x, w1, w2, tw, ti, out=poisoned(M, H, dtype), config=config, path=path)
         assert_matches_reference(out, x, w1, w2, tw, ti)

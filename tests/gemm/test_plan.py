@@ -216,6 +216,115 @@ def test_a_cached_plan_launches_directly_with_this_calls_pointers(lora):
         set_launch_mode("fast")
 
 
+class CudaLauncher:
+    """Stands in for Triton 3.6's CUDA launcher: ``__call__`` asks for scratch where the kernel has any,
+    then calls its C function ``launch`` (recorded here) with the launch flags ahead of the arguments."""
+
+    def __init__(self, global_scratch_size=0):
+        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.launches = []
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        scratch = "scratch" if self.global_scratch_size else None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, scratch,
+                    None, *args)
+
+
+class LauncherKernel(RecordingKernel):
+    def __init__(self, launcher):
+        super().__init__()
+        self.run = launcher
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_bound_launches_call_triton_36s_launcher_function_as_its_call_would(scratch):
+    # fmoe2.launch.direct_launcher: with Triton 3.6's CUDA launcher and no scratch memory a bound launch calls
+    # the launcher's C function with exactly what its __call__ would pass; with scratch it goes through __call__.
+    from fmoe2.launch import BoundLaunch
+
+    args, kwargs, _ = _call(7)
+    fused_moe(*args, **kwargs)
+    plan, specs, sources = _specs_and_sources(args, kwargs)
+    direct, through_call = CudaLauncher(scratch), CudaLauncher(scratch)
+    bound = BoundLaunch(specs[-1], LauncherKernel(direct), {p: i for i, p in enumerate(sources) if p})
+    bound(0, sources)
+    through_call(*bound.grid, 0, "function-handle", "packed-metadata", None, None, None, *bound.arguments(sources))
+    assert direct.launches == through_call.launches and len(direct.launches) == 1
+    assert (bound.run == direct.launch) == (scratch == 0)
+
+
+EXPANDED = []  # base addresses make_tensordesc_arg expanded
+
+
+def make_tensordesc_arg(arg, metadata):
+    """Stands in for Triton 3.6's expansion of a tensor descriptor (there: a TMA descriptor encoded)."""
+    EXPANDED.append(arg.base.data_ptr())
+    return [("tma", arg.base.data_ptr(), metadata), *arg.shape, *arg.strides]
+
+
+def wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton 3.6's wrapper of a launcher C function whose kernel takes tensor descriptors."""
+    def inner(*args):
+        final_args = list(args[:13])
+        k = 0
+        for i, arg in enumerate(args[13:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[k]))
+                k += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+    return inner
+
+
+class DescriptorLauncher(CudaLauncher):
+    def __init__(self, positions):
+        super().__init__()
+        metadata = [{"swizzle": k} for k in range(len(positions))]
+        self.launch = wrap_handle_tensordesc(self.record, set(positions), metadata)
+
+    def record(self, *args):
+        self.launches.append(args)
+
+
+DescriptorLauncher.__name__ = "CudaLauncher"  # direct_launcher takes Triton's launcher by its class name
+
+def test_bound_launches_expand_each_tensor_descriptor_once_per_address():
+    # fmoe2.launch.descriptor_expansion: with Triton 3.6's wrapper (a TMA descriptor encoded on every launch) a
+    # bound launch passes the C function what the wrapper would, expanding each descriptor once per address.
+    from fmoe2.launch import BoundLaunch
+
+    args, kwargs, _ = _call(8, tma=True)
+    fused_moe(*args, **kwargs)
+    plan, specs, sources = _specs_and_sources(args, kwargs)
+    spec = next(sp for sp in specs if any(isinstance(v, TensorDescriptor) for v in sp.args.values()))
+    source_of = {p: i for i, p in enumerate(sources) if p}
+    probe = BoundLaunch(spec, RecordingKernel(), source_of)
+    positions = [position for position, _, _ in probe.descriptor_slots]
+    direct, through_call = DescriptorLauncher(positions), DescriptorLauncher(positions)
+    bound = BoundLaunch(spec, LauncherKernel(direct), source_of)
+    assert bound.expansion is not None and positions
+    EXPANDED.clear()
+    for _ in range(3):
+        bound(0, sources)
+    assert len(EXPANDED) == len(positions)  # once per descriptor, not per launch
+    for _ in range(3):
+        through_call(*bound.grid, 0, "function-handle", "packed-metadata", None, None, None,
+                     *bound.arguments(sources))
+    assert direct.launches == through_call.launches
+    moved = list(sources)
+    moved[probe.descriptor_slots[0][1]] += 4096  # another layer's weights: a new expansion
+    EXPANDED.clear()
+    bound(0, moved)
+    assert len(EXPANDED) == 1
+    through_call(*bound.grid, 0, "function-handle", "packed-metadata", None, None, None, *bound.arguments(moved))
+    assert direct.launches[-1] == through_call.launches[-1]
+
+
 def test_the_direct_path_refuses_an_overlapping_out():
     args, kwargs, _ = _call(6)
     _bind_recording(args, kwargs)
@@ -227,8 +336,9 @@ def test_the_direct_path_refuses_an_overlapping_out():
 # Python-level function calls of one forward on a cached plan (sys.setprofile "call" events, not counting
 # the recording kernels, which stand for Triton's C launcher), measured 2026-11-25 with the code of this
 # change: 11 whatever the path (9 plus the config's hash, taken twice, since these calls pass a config),
-# 6 more with adapters (their tensors' keys), and 2 per launch (3 fused: sort, fused kernel and the cast of
-# its float32 accumulator; 3 two-stage, 7 two-stage with adapters). A forward that rebuilt its config, layout
+# 6 more with adapters (their tensors' keys), and 2 per launch (3 fused at these M=21 tokens: sort, fused kernel and
+# the cast of its float32 accumulator, which at M=1 the fused kernel does itself; 3 two-stage, 7 two-stage
+# with adapters). A forward that rebuilt its config, layout
 # or launch descriptions would make hundreds.
 FIXED_CALLS, LORA_CALLS, CALLS_PER_LAUNCH, SLACK = 11, 6, 2, 2
 

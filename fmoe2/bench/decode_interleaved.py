@@ -1,0 +1,102 @@
+"""Batch-size-1 decode with the experts backends taking turns: ``python -m fmoe2.bench.decode_interleaved``.
+
+At batch 1 a transformers decode step is bound by host work, whose speed drifts over a run on a shared
+machine (2026-11-26, H200: one backend's rate varied 1.4x between rounds). ``python -m fmoe2.bench.model``
+times each backend's runs one after another, so a drift lands on whichever backend runs then. Here every
+round runs one greedy ``generate`` of each backend in turn (a 1-token ``generate`` first, for the prefill
+time), on ``--layers`` decoder layers of a model's real sizes with random bf16 weights
+(``fmoe2.bench.model.build_model``), and the decode rate of each backend is the median over rounds.
+``--compile``: with a static cache, which transformers compiles (``torch.compile``) for the decode steps.
+Writes ``<out-dir>/model/decode_interleaved_<device>[_compiled].json`` and ``.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from fmoe2.gemm.config import device_config_name
+
+from .model import MODELS, build_model
+from .provenance import provenance_line, run_record, write_result
+
+
+def markdown(result: dict) -> str:
+    backends = result["backends"]
+    compiled = " (static cache, compiled)" if result.get("compiled") else ""
+    lines = [f"# Batch-1 decode{compiled}, backends taking turns: {result['device']}", "", provenance_line(result), "",
+             f"{result['layers']} layers of each model's sizes, random bf16 weights, prompt {result['prompt']}, "
+             f"{result['new_tokens']} greedy tokens, {result['rounds']} rounds; decode tokens/s, median over rounds "
+             "(each round's rates in the JSON).", "",
+             "| model | " + " | ".join(backends) + " | fmoe2 / best other |", "|---" * (len(backends) + 2) + "|"]
+    for row in result["rows"]:
+        medians = row["median_tokens_per_s"]
+        others = [v for b, v in medians.items() if b != "fmoe2"]
+        ratio = f"{medians['fmoe2'] / max(others):.2f}x" if "fmoe2" in medians and others else ""
+        lines.append(f"| {row['model']} | " + " | ".join(f"{medians[b]:.1f}" for b in backends) + f" | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fmoe2.bench.decode_interleaved", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", default="gpt-oss-20b,qwen3-30b-a3b", help=f"comma-separated names from {sorted(MODELS)}")
+    p.add_argument("--backends", default="batched_mm,grouped_mm,fmoe2", help="experts backends, in turn order")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of each model")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens after the first")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (one generate of each backend per round)")
+    p.add_argument("--compile", action="store_true", help="static cache: transformers compiles the decode steps")
+    p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="results go to <out-dir>/model/")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the decode benchmark needs a CUDA or ROCm GPU")
+    import transformers
+
+    import fmoe2.integrations.transformers as fmoe2_transformers
+
+    fmoe2_transformers.register()
+    backends = a.backends.split(",")
+    result = {**run_record("python -m fmoe2.bench.decode_interleaved", argv), "transformers": transformers.__version__,
+              "layers": a.layers, "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds,
+              "backends": backends, "compiled": a.compile, "rows": []}
+    generate_options = dict(do_sample=False, cache_implementation="static") if a.compile else dict(do_sample=False)
+    for name in a.models.split(","):
+        model = build_model(name, a.layers)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (1, a.prompt), device="cuda", generator=gen)
+
+        def seconds(tokens: int, model=model) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=tokens, **generate_options)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        rates = {b: [] for b in backends}
+        with torch.no_grad():
+            for backend in backends:  # warm-up: compiles, plans, allocator
+                model.set_experts_implementation(backend)
+                seconds(a.new_tokens + 1)
+            for round_ in range(a.rounds):
+                for backend in backends:
+                    model.set_experts_implementation(backend)
+                    prefill = seconds(1)
+                    rates[backend].append(a.new_tokens / (seconds(a.new_tokens + 1) - prefill))
+                print(name, round_, {b: round(v[-1], 1) for b, v in rates.items()}, flush=True)
+        result["rows"].append({"model": name, "tokens_per_s": rates,
+                               "median_tokens_per_s": {b: statistics.median(v) for b, v in rates.items()}})
+        del model
+        torch.cuda.empty_cache()
+    suffix = "_compiled" if a.compile else ""
+    out = os.path.join(a.out_dir, "model", f"decode_interleaved_{device_config_name()}{suffix}.json")
+    print(write_result(out, result, markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
