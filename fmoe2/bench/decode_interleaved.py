@@ -1,4 +1,4 @@
-"""Batch-size-1 decode with the experts backends taking turns: ``python -m fmoe2.bench.decode_interleaved``.
+"""Decode with the experts backends taking turns: ``python -m fmoe2.bench.decode_interleaved``.
 
 At batch 1 a transformers decode step is bound by host work, whose speed drifts over a run on a shared
 machine (2026-11-26, H200: one backend's rate varied 1.4x between rounds). ``python -m fmoe2.bench.model``
@@ -6,8 +6,9 @@ times each backend's runs one after another, so a drift lands on whichever backe
 round runs one greedy ``generate`` of each backend in turn (a 1-token ``generate`` first, for the prefill
 time), on ``--layers`` decoder layers of a model's real sizes with random bf16 weights
 (``fmoe2.bench.model.build_model``), and the decode rate of each backend is the median over rounds.
-``--compile``: with a static cache, which transformers compiles (``torch.compile``) for the decode steps.
-Writes ``<out-dir>/model/decode_interleaved_<device>[_compiled].json`` and ``.md``.
+``--batch``: sequences per generate (1 by default); a backend that cannot run (out of memory) is
+recorded with its error. ``--compile``: with a static cache, which transformers compiles (``torch.compile``) for the decode steps.
+Writes ``<out-dir>/model/decode_interleaved_<device>[_batch<N>][_compiled].json`` and ``.md``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from .provenance import provenance_line, run_record, write_result
 def markdown(result: dict) -> str:
     backends = result["backends"]
     compiled = " (static cache, compiled)" if result.get("compiled") else ""
-    lines = [f"# Batch-1 decode{compiled}, backends taking turns: {result['device']}", "", provenance_line(result), "",
+    lines = [f"# Batch-{result.get('batch', 1)} decode{compiled}, backends taking turns: {result['device']}", "",
+             provenance_line(result), "",
              f"{result['layers']} layers of each model's sizes, random bf16 weights, prompt {result['prompt']}, "
              f"{result['new_tokens']} greedy tokens, {result['rounds']} rounds; decode tokens/s, median over rounds "
              "(each round's rates in the JSON).", "",
@@ -37,7 +39,11 @@ def markdown(result: dict) -> str:
         medians = row["median_tokens_per_s"]
         others = [v for b, v in medians.items() if b != "fmoe2"]
         ratio = f"{medians['fmoe2'] / max(others):.2f}x" if "fmoe2" in medians and others else ""
-        lines.append(f"| {row['model']} | " + " | ".join(f"{medians[b]:.1f}" for b in backends) + f" | {ratio} |")
+        cells = [f"{medians[b]:.1f}" if b in medians else "did not run" for b in backends]
+        lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {ratio} |")
+    errors = [f"- {row['model']} {b}: {e}" for row in result["rows"] for b, e in row.get("errors", {}).items()]
+    if errors:
+        lines += ["", "Backends that did not run:", ""] + errors
     return "\n".join(lines) + "\n"
 
 
@@ -49,6 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="decoder layers of each model")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens after the first")
+    p.add_argument("--batch", type=int, default=1, help="sequences per generate")
     p.add_argument("--rounds", type=int, default=5, help="rounds (one generate of each backend per round)")
     p.add_argument("--compile", action="store_true", help="static cache: transformers compiles the decode steps")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="results go to <out-dir>/model/")
@@ -63,12 +70,12 @@ def main(argv=None) -> int:
     backends = a.backends.split(",")
     result = {**run_record("python -m fmoe2.bench.decode_interleaved", argv), "transformers": transformers.__version__,
               "layers": a.layers, "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds,
-              "backends": backends, "compiled": a.compile, "rows": []}
+              "backends": backends, "compiled": a.compile, "batch": a.batch, "rows": []}
     generate_options = dict(do_sample=False, cache_implementation="static") if a.compile else dict(do_sample=False)
     for name in a.models.split(","):
         model = build_model(name, a.layers)
         gen = torch.Generator(device="cuda").manual_seed(1)
-        ids = torch.randint(0, model.config.vocab_size, (1, a.prompt), device="cuda", generator=gen)
+        ids = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt), device="cuda", generator=gen)
 
         def seconds(tokens: int, model=model) -> float:
             torch.cuda.synchronize()
@@ -77,22 +84,28 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             return time.perf_counter() - start
 
-        rates = {b: [] for b in backends}
+        errors = {}
         with torch.no_grad():
             for backend in backends:  # warm-up: compiles, plans, allocator
                 model.set_experts_implementation(backend)
-                seconds(a.new_tokens + 1)
+                try:
+                    seconds(a.new_tokens + 1)
+                except Exception as error:  # noqa: BLE001 - recorded (out of memory), not fatal
+                    errors[backend] = f"{type(error).__name__}: {str(error)[:200]}"
+                    torch.cuda.empty_cache()
+            running = [b for b in backends if b not in errors]
+            rates = {b: [] for b in running}
             for round_ in range(a.rounds):
-                for backend in backends:
+                for backend in running:
                     model.set_experts_implementation(backend)
                     prefill = seconds(1)
-                    rates[backend].append(a.new_tokens / (seconds(a.new_tokens + 1) - prefill))
+                    rates[backend].append(a.batch * a.new_tokens / (seconds(a.new_tokens + 1) - prefill))
                 print(name, round_, {b: round(v[-1], 1) for b, v in rates.items()}, flush=True)
-        result["rows"].append({"model": name, "tokens_per_s": rates,
+        result["rows"].append({"model": name, "tokens_per_s": rates, "errors": errors,
                                "median_tokens_per_s": {b: statistics.median(v) for b, v in rates.items()}})
         del model
         torch.cuda.empty_cache()
-    suffix = "_compiled" if a.compile else ""
+    suffix = (f"_batch{a.batch}" if a.batch != 1 else "") + ("_compiled" if a.compile else "")
     out = os.path.join(a.out_dir, "model", f"decode_interleaved_{device_config_name()}{suffix}.json")
     print(write_result(out, result, markdown))
     return 0
