@@ -34,9 +34,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
 from .gemm.config import deterministic_config, fit_fp8_config, fit_lora_config_to_problem, get_config
-from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, deltas_in_stages,
-                            forward_specs, fused_kernel_casts, fused_kernel_launch, lora_expand_launch,
-                            lora_shrink_launch, stage2_kernel_launch)
+from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, decode_launch,
+                            decodes_in_one_launch, deltas_in_stages, forward_specs, fused_kernel_casts,
+                            fused_kernel_launch, lora_expand_launch, lora_shrink_launch, stage2_kernel_launch)
 from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
 from .launch import LaunchSpec
@@ -316,6 +316,11 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     if accumulates_fp32(problem, fused_config) and not fused_kernel_casts(problem, fused_config):
         reports.append({"kernel": "cast", **common,
                         **_compile_spec(combine_launch(problem, x, accumulator, None, None), target)})
+    if decodes_in_one_launch(problem, fused_config):  # eager calls of one token: the fused kernel alone
+        kept = torch.empty(H + 1, dtype=torch.float32, **meta)
+        reports.append({"kernel": "fused_moe_decode", **common, "config": fused_config.to_dict(),
+                        **_compile_spec(decode_launch(problem, topk_weights, topk_ids, activation, x, None,
+                                                      fused_config, named, kept), target)})
     suffix = ""
     if lora_rank:
         problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)

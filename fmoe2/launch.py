@@ -27,7 +27,7 @@ import collections
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -330,28 +330,39 @@ def raw_stream(device_index: int) -> int:
 
 
 def run_bound(launches: Sequence[BoundLaunch], sources: Sequence[int], scratch_bytes: int,
-              scratch_offsets: Sequence[int], device: torch.device) -> torch.Tensor:
+              scratch_offsets: Sequence[int], device: torch.device,
+              alone: Optional[Tuple[BoundLaunch, Callable[[torch.device, int], int]]] = None) -> Optional[torch.Tensor]:
     """Runs bound launches on the current stream of ``device``: ``sources`` (device addresses of the
     call's inputs) followed by those of the buffers in a fresh scratch block of ``scratch_bytes``
     (at ``scratch_offsets``). Returns the block. (A CPU ``device`` launches on stream 0: only tests
-    bind launches there, to compiled-kernel stand-ins.)"""
-    block = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
-    base = block.data_ptr()
-    values = [*sources, *[base + offset for offset in scratch_offsets]]
+    bind launches there, to compiled-kernel stand-ins.)
+
+    ``alone``: ``(launch, kept)``: unless the stream is being captured into a CUDA graph, that one launch runs
+    instead, on ``sources`` and the address ``kept(device, stream)`` gives (a buffer kept per stream), and None
+    is returned."""
     if device.type != "cuda":
+        if alone is not None:
+            alone[0](0, [*sources, alone[1](device, 0)])
+            return None
+        block = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+        base = block.data_ptr()
+        values = [*sources, *[base + offset for offset in scratch_offsets]]
         for launch in launches:
             launch(0, values)
         return block
     index = device.index
-    if torch._C._cuda_getDevice() == index:
-        stream = raw_stream(index)
-        for launch in launches:
-            launch(stream, values)
-        return block
-    with torch.cuda.device(index):
-        stream = raw_stream(index)
-        for launch in launches:
-            launch(stream, values)
+    if torch._C._cuda_getDevice() != index:
+        with torch.cuda.device(index):
+            return run_bound(launches, sources, scratch_bytes, scratch_offsets, device, alone)
+    stream = raw_stream(index)
+    if alone is not None and not torch._C._cuda_isCurrentStreamCapturing():
+        alone[0](stream, [*sources, alone[1](device, stream)])
+        return None
+    block = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+    base = block.data_ptr()
+    values = [*sources, *[base + offset for offset in scratch_offsets]]
+    for launch in launches:
+        launch(stream, values)
     return block
 
 

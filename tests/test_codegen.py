@@ -72,11 +72,14 @@ def test_rocm_mfma_native_bf16_atomics_no_spills(target):
         if kernel != "fused_moe_stage1":
             assert rep["atomic_instructions"] and not rep["cas_loop"]
             # The fused path adds into its float32 accumulator (accumulates_fp32), stage 2 into the bf16 output.
-            kind = "add_f32" if kernel == "fused_moe" else "pk_add_bf16"
+            # (fused_moe_decode: the one-launch decode of eager one-token calls, the same kernel on the same adds.)
+            fused = kernel in ("fused_moe", "fused_moe_decode")
+            kind = "add_f32" if fused else "pk_add_bf16"
             adds = {op: n for op, n in rep["atomic_instructions"].items() if op != "global_atomic_add"}
             assert adds and all(kind in op for op in adds), (kernel, rep["atomic_instructions"])
             # The fused kernel's add counter of the rows it casts at M=1 (fused_moe_kernel._cast_finished_rows).
-            assert rep["atomic_instructions"].get("global_atomic_add", 0) == (kernel == "fused_moe" and M == 1), rep
+            assert rep["atomic_instructions"].get("global_atomic_add", 0) == (fused and M == 1), rep
+    assert (("fused_moe_decode", 1) in r) and ("fused_moe_decode", 4096) not in r
 
 
 def test_sm80_lowers_bf16_atomics_to_a_cas_loop():

@@ -329,6 +329,53 @@ def test_the_fused_kernels_cast_at_decode_is_whole_on_every_call_and_replay(shap
     assert (out == 0).all()
 
 
+def test_the_one_launch_decode_runs_alone_eagerly_and_graphs_keep_the_sort_path():
+    # Eager one-token calls run the plan's one bound launch (no sort) on their stream's kept accumulator, which each
+    # call leaves zeroed; a CUDA-graph capture records the sort and the fused kernel instead, whose replays, with
+    # new inputs copied in, stay right while eager calls run between them; calls on two other streams, not
+    # synchronised with each other, use an accumulator each.
+    from fmoe2.gemm.decode import kept_accumulators, release_kept_accumulators
+    from fmoe2.gemm.fused_moe import plan_of
+
+    release_kept_accumulators()
+    E, H, I, topk = SHAPES["qwen3-30b-a3b"]
+    problems = [make_problem(1, E, H, I, topk, torch.bfloat16, device="cuda", seed=seed) for seed in range(8)]
+    w1, w2 = problems[0][1], problems[0][2]
+    prepared = prepare_weights(w1, w2)
+    inputs = [(x, tw, ti) for x, _, _, tw, ti in problems]
+    refs = [reference32(x, w1, w2, tw, ti) for x, tw, ti in inputs]
+    tol = REL_TOL[torch.bfloat16]
+    fused_moe(inputs[0][0], prepared, None, inputs[0][1], inputs[0][2])
+    plan = plan_of(inputs[0][0], prepared, None, inputs[0][1], inputs[0][2])
+    assert plan.decodes and plan.alone is not None and plan.launch_names == ["sort", "fused"]
+    for (x, tw, ti), ref in zip(inputs, refs):
+        assert rel_error(fused_moe(x, prepared, None, tw, ti), ref) <= tol
+    static = [t.clone() for t in inputs[0]]
+    out = poisoned(1, H, torch.bfloat16, device="cuda")
+    graph = capture_graph(lambda: fused_moe(*static[:1], prepared, None, *static[1:], out=out))
+    for i, (x, tw, ti) in enumerate(inputs):
+        for target, source in zip(static, (x, tw, ti)):
+            target.copy_(source)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_error(out, refs[i]) <= tol, i
+        j = (i + 3) % len(inputs)
+        assert rel_error(fused_moe(inputs[j][0], prepared, None, *inputs[j][1:]), refs[j]) <= tol, j
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = []
+    for i, (x, tw, ti) in enumerate(inputs * 4):
+        with torch.cuda.stream(streams[i % 2]):
+            results.append(fused_moe(x, prepared, None, tw, ti))
+    torch.cuda.synchronize()
+    for i, result in enumerate(results):
+        assert rel_error(result, refs[i % len(inputs)]) <= tol, i
+    kept = kept_accumulators()
+    device = torch.cuda.current_device()
+    assert all(("cuda", device, s.cuda_stream) in kept for s in streams)
+    assert all(not accumulator.any() for accumulator in kept.values())
+
+
 def test_target_reads_each_device():
     # The target is cached per device index; the default device, an explicit index and a device without
     # one must all give the GPU's own multiprocessors, shared memory (what Triton checks a launch against:

@@ -10,6 +10,8 @@ shapes at M=1, bf16, prepared weights, in one run on the GPU:
 * ``moe_sorting``; ``fused_moe`` on the fused and on the two-stage path; with LoRA adapters (rank
   16, 4 adapters, mixed) on both paths: each with plans launching directly (the default) and with
   every launch through Triton's JIT (``fmoe2.launch.set_launch_mode("jit")``);
+* at one token, the one-launch decode against the same plan's sort path, in turns (host time and one eager
+  call: ``fmoe2/gemm/decode.py``);
 * the forward's GPU time three ways: one eager call timed with CUDA events from an idle GPU (what
   the host adds to one call's latency), back-to-back eager calls (events around 200 calls: what an
   eager model loop pays per layer), and a CUDA-graph replay (10 calls per graph);
@@ -37,6 +39,7 @@ import triton
 
 import fmoe2
 from fmoe2.gemm.config import device_config_name
+from fmoe2.gemm.fused_moe import plan_of
 from fmoe2.launch import LaunchSpec, bind_launches, raw_stream, set_launch_mode
 from fmoe2.shapes import SHAPES
 
@@ -49,6 +52,7 @@ from .timing import time_in_graph
 CALLS = 10
 ROUNDS = 101
 EAGER_CALLS = 200  # calls between the events of the back-to-back eager timing
+DECODE_TURNS = 3  # turns of the one-launch decode against the sort path of the same plan
 COMPILED_LAYERS = 2
 
 
@@ -166,7 +170,27 @@ def forward_costs(name, shape, M, gen) -> dict:
     row["forward_graph_us"] = time_in_graph(forward)
     row["forward_eager_one_call_us"] = eager_event_us(forward)
     row["forward_eager_back_to_back_us"] = eager_event_us(forward, calls=EAGER_CALLS, rounds=5)
+    row.update(one_launch_decode_costs(plan_of(x, prepared, None, tw, ti), forward))
     return row
+
+
+def one_launch_decode_costs(plan, forward, turns: int = DECODE_TURNS) -> dict:
+    """Host us and one-eager-call us of ``forward`` with its plan's one-launch decode (``plan.alone``) and with the
+    same plan's sort path (what a CUDA-graph capture runs), in turns (the host's speed drifts within a run); the
+    median of the turns' medians. Empty where the plan has no bound decode (two tokens or more, the two-stage
+    path, adapters)."""
+    if plan is None or plan.alone is None:
+        return {}
+    alone, samples = plan.alone, {}
+    try:
+        for _ in range(turns):
+            for label, value in (("sort_path", None), ("one_launch", alone)):
+                plan.alone = value
+                samples.setdefault(f"decode_{label}_host_us", []).append(host_us(forward))
+                samples.setdefault(f"decode_{label}_eager_one_call_us", []).append(eager_event_us(forward))
+    finally:
+        plan.alone = alone
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 class TwoLayerMoE(torch.nn.Module):
@@ -240,6 +264,19 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['shape']} | {row['M']} | {row['auto_path']} | {row['forward_eager_one_call_us']:.1f} | "
                      f"{row['forward_eager_back_to_back_us']:.1f} | {row['forward_graph_us']:.1f} | "
                      f"{row['forward_eager_one_call_us'] / row['forward_graph_us']:.2f}x |")
+    decode_rows = [row for row in result["forward"] if "decode_one_launch_host_us" in row]
+    if decode_rows:
+        lines += ["", "The one-launch decode (eager calls of one token: the fused kernel alone, no sort) against the "
+                  "same plan's sort path (sort + fused kernel, what a CUDA graph captures), "
+                  f"{DECODE_TURNS} turns each, us: host per call, and one eager call from an idle GPU over the graph "
+                  "time:", "",
+                  "| shape | M | host, sort path | host, one launch | one call, sort path | one call, one launch | "
+                  "one launch / graph |", "|---|---|---|---|---|---|---|"]
+        for row in decode_rows:
+            lines.append(f"| {row['shape']} | {row['M']} | {row['decode_sort_path_host_us']:.1f} | "
+                         f"{row['decode_one_launch_host_us']:.1f} | {row['decode_sort_path_eager_one_call_us']:.1f} | "
+                         f"{row['decode_one_launch_eager_one_call_us']:.1f} | "
+                         f"{row['decode_one_launch_eager_one_call_us'] / row['forward_graph_us']:.2f}x |")
     if result.get("compiled"):
         lines += ["", f"A {COMPILED_LAYERS}-layer MoE module (router, top-k, fused_moe, residual), us per step "
                   "(GPU, back-to-back steps):", "",

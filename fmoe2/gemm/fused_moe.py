@@ -140,7 +140,7 @@ def fused_moe(
             sources[OUT_SOURCE] = out.data_ptr()
         else:
             plan.check_out_overlap(sources)
-        run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device)
+        run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device, plan.alone)
         return out
     return run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
                        lora, token_lora_ids, call[0] if call is not None else None, plan, w1_bias=w1_bias,

@@ -239,9 +239,11 @@ def _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_exper
 
 @triton.jit
 def _cast_finished_rows(acc_rows, final_rows, token, add_counts, row_valid, expected_adds, H, stride_acc_m,
-                        stride_final_m, acc_ptr, final_ptr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+                        stride_final_m, acc_ptr, final_ptr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                        RESET: tl.constexpr = False):
     """Counts this program's adds into its rows and casts each row it finished (its token's last add:
-    ``expected_adds``) from the float32 accumulator to the output.
+    ``expected_adds``) from the float32 accumulator to the output. With RESET it also zeroes each finished
+    row and its counter, leaving the accumulator as it found it (the one-launch decode's, which no sort zeroes).
 
     ``acc_rows``/``final_rows``: [BLOCK_M, 1] row pointers; ``add_counts``: [BLOCK_M] pointers to the
     rows' tokens' add counters (zeroed by the sort). The barrier puts every thread's atomic adds of
@@ -260,6 +262,8 @@ def _cast_finished_rows(acc_rows, final_rows, token, add_counts, row_valid, expe
             cols = h0 + offs
             v = tl.load(acc_ptr + row * stride_acc_m + cols, mask=cols < H, other=0.0, cache_modifier=".cg")
             tl.store(final_ptr + row * stride_final_m + cols, v.to(final_ptr.dtype.element_ty), mask=cols < H)
+            if RESET:
+                tl.store(acc_ptr + row * stride_acc_m + cols, tl.zeros_like(v), mask=cols < H)
     elif num_finished > 1:
         offs_h0 = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -267,6 +271,10 @@ def _cast_finished_rows(acc_rows, final_rows, token, add_counts, row_valid, expe
             mask = finished[:, None] & (offs_h < H)[None, :]
             v = tl.load(acc_rows + offs_h[None, :], mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(final_rows + offs_h[None, :], v.to(final_rows.dtype.element_ty), mask=mask)
+            if RESET:
+                tl.store(acc_rows + offs_h[None, :], tl.zeros_like(v), mask=mask)
+    if RESET:
+        tl.store(add_counts, tl.zeros_like(seen), mask=finished)
 
 
 @triton.jit
@@ -403,9 +411,14 @@ def _fused_moe_kernel(
     TOPK: tl.constexpr = 1,
     NUM_EXPERTS: tl.constexpr = 1,
     HAS_EXPERT_MAP: tl.constexpr = False,
+    # The one-launch decode (one token, no sort launch: launches.decodes_in_one_launch): tile t is the token's
+    # slot t, its expert and weight read from topk_ids and topk_weights; the accumulator is a kept one that the
+    # kernel leaves zeroed (CAST_FINISHED_ROWS with its reset), since no sort zeroes it.
+    ROUTE_FROM_TOPK: tl.constexpr = False,
+    topk_weights_ptr=None,  # [TOPK] (ROUTE_FROM_TOPK only) float32/bf16/fp16
 ):
     """Grid: (num_grid_tiles * cdiv(I, BLOCK_N) [+ cdiv(M, BLOCK_M) with CAST_FINISHED_ROWS],); programs past
-    ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once.
+    ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once (with ROUTE_FROM_TOPK: on a dropped slot).
 
     Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and
     no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
@@ -431,21 +444,34 @@ def _fused_moe_kernel(
     local = pid % programs_per_group
     tile = first_tile + local % group_tiles
     slice_id = local // group_tiles
-    if tile >= tl.load(num_sorted_tiles_ptr):
-        return
-    expert = tl.load(sorted_expert_ids_ptr + tile).to(tl.int64)
-    if expert < 0:  # a gap tile of the sorted layout
-        return
-
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    token = tl.load(sorted_token_ids_ptr + offs_m)
-    if IDS_PER_TOKEN > 1:
-        row_valid = token < num_tokens * IDS_PER_TOKEN
-        token = token.to(tl.int64) // IDS_PER_TOKEN
+    if ROUTE_FROM_TOPK:
+        tl.static_assert(CAST_FINISHED_ROWS and not HAS_LORA and not FP8 and not STORE_Y,
+                         "the one-launch decode is the plain fused path with its float32 accumulator")
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, None, tile, None, num_global_experts, 0, NUM_EXPERTS,
+                               HAS_EXPERT_MAP, TOPK, False)
+        if key >= NUM_EXPERTS:  # a dropped slot: no adds, and _kept_slots does not count it
+            return
+        expert = key.to(tl.int32, bitcast=True).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        row_valid = offs_m < 1  # the one token, in the tile's first row
+        token = tl.zeros([BLOCK_M], dtype=tl.int64)
+        route_weight = tl.load(topk_weights_ptr + tile + offs_m, mask=row_valid, other=0.0).to(tl.float32)
     else:
-        row_valid = token < num_tokens
-        token = token.to(tl.int64)
-    route_weight = tl.load(sorted_weights_ptr + offs_m)
+        if tile >= tl.load(num_sorted_tiles_ptr):
+            return
+        expert = tl.load(sorted_expert_ids_ptr + tile).to(tl.int64)
+        if expert < 0:  # a gap tile of the sorted layout
+            return
+
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        token = tl.load(sorted_token_ids_ptr + offs_m)
+        if IDS_PER_TOKEN > 1:
+            row_valid = token < num_tokens * IDS_PER_TOKEN
+            token = token.to(tl.int64) // IDS_PER_TOKEN
+        else:
+            row_valid = token < num_tokens
+            token = token.to(tl.int64)
+        route_weight = tl.load(sorted_weights_ptr + offs_m)
 
     offs_n = slice_id * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < I
@@ -649,4 +675,4 @@ def _fused_moe_kernel(
             add_counts = (out_ptr + num_tokens * stride_out_m).to(tl.pointer_type(tl.int32), bitcast=True) + token
             _cast_finished_rows(out_rows, final_out_ptr + token[:, None] * stride_final_m, token, add_counts,
                                 row_valid, expected_adds, H, stride_out_m, stride_final_m, out_ptr, final_out_ptr,
-                                BLOCK_M, BLOCK_H)
+                                BLOCK_M, BLOCK_H, ROUTE_FROM_TOPK)

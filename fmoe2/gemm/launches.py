@@ -316,7 +316,8 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
                         config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace] = None,
                         quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                         cast_to: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
-                        expert_map: Optional[torch.Tensor] = None) -> LaunchSpec:
+                        expert_map: Optional[torch.Tensor] = None,
+                        topk_weights: Optional[torch.Tensor] = None) -> LaunchSpec:
     """The fused kernel's launch.
 
     With ``workspace`` it is stage 1 of the two-stage path: it stores the intermediate into
@@ -325,16 +326,20 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     ``cast_to`` (fused path): the output, where ``out`` is a float32 accumulator ``[M, H]`` followed in
     memory by M int32 add counters (:func:`fused_accumulator`); the kernel casts each finished row to
     ``cast_to`` itself (it needs ``topk_ids`` and ``expert_map`` to know how many adds a row gets).
+    ``topk_weights`` (with ``cast_to``, ``sorting`` None): the one-launch decode (:func:`decode_launch`).
     """
     if problem.fp8 and quantized_x is None:
         raise ValueError("an fp8 forward's fused kernel reads x quantized by the sort launch: quantized_x is None")
     if cast_to is not None and (workspace is not None or topk_ids is None):
         raise ValueError("the fused kernel casts its accumulator on the fused path only, and needs topk_ids")
+    route_from_topk = topk_weights is not None
+    if route_from_topk and (cast_to is None or problem.num_tokens != 1 or problem.lora is not None):
+        raise ValueError("the one-launch decode is one token's fused forward without adapters, cast by the kernel")
     y = workspace.y if workspace is not None else None
     delta13 = workspace.lora_delta13 if workspace is not None else None
     # Deltas in the stages: stage 1 stores its slices' down shrinks.
     shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
-    num_grid_tiles = grid_tiles(problem, sorting.block_m)
+    num_grid_tiles = problem.topk if route_from_topk else grid_tiles(problem, sorting.block_m)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N)
             + (triton.cdiv(problem.num_tokens, config.BLOCK_M) if cast_to is not None else 0),)
     tma = tma_enabled(config, problem, target)
@@ -343,8 +348,10 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y,
         w13_desc=_descriptor(problem.w1, (2 * config.BLOCK_N, config.BLOCK_K)) if tma else None,
         w2_desc=_descriptor(problem.w2, (config.BLOCK_H, config.BLOCK_N)) if tma else None,
-        sorted_token_ids_ptr=sorting.sorted_token_ids, sorted_weights_ptr=sorting.sorted_weights,
-        sorted_expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
+        sorted_token_ids_ptr=sorting.sorted_token_ids if sorting is not None else None,
+        sorted_weights_ptr=sorting.sorted_weights if sorting is not None else None,
+        sorted_expert_ids_ptr=sorting.sorted_expert_ids if sorting is not None else None,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles if sorting is not None else None,
         num_tokens=problem.num_tokens, H=problem.hidden_size, I=problem.intermediate_size,
         num_grid_tiles=num_grid_tiles,
         stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
@@ -392,11 +399,16 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     if cast_to is not None:
         constexprs.update(CAST_FINISHED_ROWS=True, TOPK=problem.topk, NUM_EXPERTS=problem.num_experts,
                           HAS_EXPERT_MAP=expert_map is not None)
-    return LaunchSpec("fused" if workspace is None else "stage1", _fused_moe_kernel, grid, args, constexprs,
+    if route_from_topk:  # no launch of ours before it to depend on
+        pdl = False
+        args.update(topk_weights_ptr=topk_weights)
+        constexprs.update(ROUTE_FROM_TOPK=True, PDL=False)
+    name = "decode" if route_from_topk else "fused" if workspace is None else "stage1"
+    return LaunchSpec(name, _fused_moe_kernel, grid, args, constexprs,
                       {**config.launch_options(target.backend), **_pdl_option(pdl)})
 
 
-def _num_lora_tokens(problem: MoEProblem, sorting: MoESortingResult) -> Optional[torch.Tensor]:
+def _num_lora_tokens(problem: MoEProblem, sorting: Optional[MoESortingResult]) -> Optional[torch.Tensor]:
     """The sort's count of tokens with an adapter (None without adapters)."""
     if problem.lora is None:
         return None
@@ -631,6 +643,24 @@ def fused_kernel_casts(problem: MoEProblem, config: FusedMoEConfig) -> bool:
             and accumulates_fp32(problem, config))
 
 
+def decodes_in_one_launch(problem: MoEProblem, config: FusedMoEConfig) -> bool:
+    """Whether an eager call (not one captured in a CUDA graph) may run the forward as one launch of the fused kernel,
+    with no sort: one token, the fused path with the kernel's own cast (:func:`fused_kernel_casts`), no adapters.
+    Its accumulator is kept between calls (``fmoe2/gemm/decode.py``)."""
+    return problem.num_tokens == 1 and problem.lora is None and fused_kernel_casts(problem, config)
+
+
+def decode_launch(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                  out: torch.Tensor, expert_map: Optional[torch.Tensor], config: FusedMoEConfig, target: Target,
+                  accumulator: torch.Tensor) -> LaunchSpec:
+    """The one-launch decode (:func:`decodes_in_one_launch`): the fused kernel reads the token's top-k slots itself
+    (tile t: slot t) and adds into ``accumulator`` (float32, at least ``H + 1`` elements, zero: ``H`` columns and
+    the token's add counter), which the program that adds last casts to ``out`` and zeroes again."""
+    rows = accumulator[:problem.hidden_size].view(1, problem.hidden_size)
+    return fused_kernel_launch(problem, rows, None, activation, config, target, cast_to=out, topk_ids=topk_ids,
+                               expert_map=expert_map, topk_weights=topk_weights)
+
+
 def accumulates_fp32(problem: MoEProblem, config: FusedMoEConfig) -> bool:
     """Whether the forward's atomic adds go to a float32 accumulator cast to the output at the end (by the fused
     kernel itself where :func:`fused_kernel_casts`, else by a last launch; never in deterministic mode, which
@@ -663,5 +693,5 @@ def forward_buffer_views(problem: MoEProblem, config: FusedMoEConfig, views: dic
 
 __all__ = ["MoEProblem", "TwoStageWorkspace", "forward_specs", "forward_buffers", "forward_buffer_views",
            "fused_kernel_launch", "stage2_kernel_launch", "lora_shrink_launch", "lora_expand_launch",
-           "combine_launch", "fused_kernel_casts", "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs",
+           "combine_launch", "fused_kernel_casts", "decodes_in_one_launch", "decode_launch", "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs",
            "grid_tiles"]

@@ -9,7 +9,9 @@ path, config, and whether every pointer is 16-byte aligned). It holds:
 * the layout of the one scratch allocation of a call (the sort's buffers and, on the two-stage
   path, the workspace: ``forward_buffers``);
 * after its first run, the forward's launches bound to their compiled kernels
-  (:class:`~fmoe2.launch.BoundLaunch`).
+  (:class:`~fmoe2.launch.BoundLaunch`), and for one token the one-launch decode's launch: eager calls of
+  one token on the plain fused path run one launch of the fused kernel and no sort, on an accumulator kept
+  per stream (``decode.py``); calls captured into a CUDA graph run the sort and the fused kernel.
 
 A later call with the same key then allocates its output (unless given) and the scratch block,
 and launches the bound kernels with its own device pointers: no config lookup, no device query,
@@ -21,16 +23,17 @@ config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .._validation import check_out_overlaps_at
 from ..buffers import BufferLayout
-from ..launch import BoundLaunch, bind_launches, direct_launches
+from ..launch import BoundLaunch, bind_launches, direct_launches, raw_stream
 from ..sorting import checked_chunk_size
 from ..target import Target
 from .config import FusedMoEConfig
+from .decode import kept_accumulator
 from . import launches
 from .launches import MoEProblem, forward_buffer_views, forward_buffers
 
@@ -63,9 +66,17 @@ class MoEPlan:
     input_nbytes: Tuple[int, ...]  # bytes of each input source (0: absent), for the out-overlap check
     launches: Optional[List[BoundLaunch]] = None  # bound by the first run; None: launches go through the JIT
     bindable: bool = True  # whether the first run may bind (not under the interpreter, pointers 16-byte aligned)
+    decodes: bool = False  # eager calls run the one-launch decode (launches.decodes_in_one_launch)
+    hidden_size: int = 0
 
     def __post_init__(self):
         self.scratch_bytes, self.scratch_offsets = self.layout.nbytes, self.layout.offsets  # read on every call
+        self.decode_numel = self.hidden_size + 1  # the kept accumulator: H columns, then the add counter
+        # Once bound: (the one-launch decode, the address of a stream's kept accumulator) for run_bound's ``alone``.
+        self.alone: Optional[Tuple[BoundLaunch, Callable[[torch.device, int], int]]] = None
+
+    def kept_accumulator_address(self, device: torch.device, stream: int) -> int:
+        return kept_accumulator(device, stream, self.decode_numel).data_ptr()
 
     @property
     def launch_names(self) -> List[str]:
@@ -85,16 +96,41 @@ class MoEPlan:
 
     def run_jit(self, problem: MoEProblem, topk_weights, topk_ids, out, expert_map) -> None:
         """Runs the forward through Triton's JIT (which compiles on first use); binds the launches
-        when they can be (first run of a bindable plan)."""
+        when they can be (first run of a bindable plan). A plan that ``decodes`` runs the one-launch decode
+        unless the call is being captured into a CUDA graph; its first run runs (and binds) both forms, the
+        sort path for graphs and the one-launch decode for eager calls."""
+        decode_now = self.decodes and not stream_capturing(problem.x.device)
+        first = self.launches is None and self.bindable
+        if decode_now and not first:
+            self._run_decode(problem, topk_weights, topk_ids, out, expert_map)
+            return
         block = self.layout.allocate(problem.x.device)
         specs = self.specs(problem, topk_weights, topk_ids, out, expert_map, block)
         compiled = [spec.launch() for spec in specs]
-        if self.launches is None and self.bindable:
+        if first:
             sources = [t.data_ptr() if t is not None else 0
                        for t in input_sources(problem, topk_weights, topk_ids, out, expert_map)]
             base = block.data_ptr()
             self.launches = bind_launches(specs, compiled, sources + [base + o for o in self.scratch_offsets])
             self.bindable = self.launches is not None
+            if decode_now and self.bindable:  # the same output again, to compile and bind the one-launch decode
+                self._run_decode(problem, topk_weights, topk_ids, out, expert_map, bind=True)
+
+    def _run_decode(self, problem: MoEProblem, topk_weights, topk_ids, out, expert_map, bind: bool = False) -> None:
+        """The one-launch decode through Triton's JIT, on the current stream's kept accumulator; with ``bind``,
+        bound for the calls after it (``alone``)."""
+        device = problem.x.device
+        stream = raw_stream(device.index) if device.type == "cuda" else 0
+        accumulator = kept_accumulator(device, stream, self.decode_numel)
+        spec = launches.decode_launch(problem, topk_weights, topk_ids, self.activation, out, expert_map, self.config,
+                                      self.target, accumulator)
+        compiled = spec.launch()
+        if bind:
+            sources = [t.data_ptr() if t is not None else 0
+                       for t in input_sources(problem, topk_weights, topk_ids, out, expert_map)]
+            bound = bind_launches([spec], [compiled], sources + [accumulator.data_ptr()])
+            if bound is not None:
+                self.alone = (bound[0], self.kept_accumulator_address)
 
     def check_out_overlap(self, sources: Sequence[int]) -> None:
         """Refuses an ``out`` that shares memory with an input (it may be written while they are read)."""
@@ -109,4 +145,10 @@ def build_plan(problem: MoEProblem, activation: str, config: FusedMoEConfig, tar
     nbytes = tuple(t.numel() * t.element_size() if t is not None else 0
                    for t in input_sources(problem, topk_weights, topk_ids, out, expert_map))
     return MoEPlan(config, target, activation, chunk_size, layout, problem.x.device, nbytes,
-                   bindable=bindable and not target.interpreter)
+                   bindable=bindable and not target.interpreter,
+                   decodes=launches.decodes_in_one_launch(problem, config), hidden_size=problem.hidden_size)
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` (the current device's) is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -16,7 +16,8 @@ import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, prepare_lora, prepare_weights
 from fmoe2.gemm.fused_moe import PLANS, check_fused_moe_args, plan_of
 from fmoe2.gemm.plan import INPUT_SOURCES, input_sources
-from fmoe2.launch import LaunchSpec, bind_launches, set_launch_mode
+from fmoe2.gemm.fused_moe_kernel import _fused_moe_kernel
+from fmoe2.launch import LaunchSpec, bind_launches, kernel_parameters, set_launch_mode
 from helpers import DEVICE, assert_matches_reference, make_lora, make_problem, make_token_lora_ids, poisoned
 
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16)
@@ -364,6 +365,70 @@ def test_a_forward_on_a_cached_plan_stays_within_its_python_call_budget(config, 
     assert len(plan.launches) == {(False, "fused"): 3, (False, "two_stage"): 3, (True, "fused"): 3,
                                   (True, "two_stage"): 7}[lora, config.path]
     assert len(calls) <= budget, calls
+
+
+def _stream():
+    """The stream a direct launch gets: the current one on a GPU, 0 on the CPU."""
+    from fmoe2.launch import raw_stream
+
+    return raw_stream(torch.cuda.current_device()) if DEVICE != "cpu" else 0
+
+
+def _bind_recording_decode(args, kwargs):
+    """As :func:`_bind_recording` for a one-token call, with the plan's one-launch decode bound to a recording
+    kernel too (the interpreter binds neither)."""
+    from fmoe2.gemm import launches
+    from fmoe2.gemm.decode import kept_accumulator
+
+    plan, kernels = _bind_recording(args, kwargs)
+    assert plan.decodes and (plan.alone is None) == (DEVICE == "cpu")  # (a GPU binds it for real)
+    out = torch.empty_like(args[0])
+    problem = check_fused_moe_args(*args, "silu", out, None, kwargs["config"], "auto", None, None)
+    accumulator = kept_accumulator(args[0].device, _stream(), plan.decode_numel)
+    spec = launches.decode_launch(problem, args[3], args[4], "silu", out, None, plan.config, plan.target, accumulator)
+    sources = [t.data_ptr() if t is not None else 0 for t in input_sources(problem, args[3], args[4], out, None)]
+    decode_kernel = RecordingKernel()
+    bound = bind_launches([spec], [decode_kernel], sources + [accumulator.data_ptr()])
+    plan.alone = (bound[0], plan.kept_accumulator_address)
+    return plan, kernels, decode_kernel, accumulator
+
+
+def test_a_cached_one_token_plan_launches_the_decode_alone():
+    args, kwargs, _ = _call(11, M=1)
+    del kwargs["out"]
+    plan, kernels, decode_kernel, accumulator = _bind_recording_decode(args, kwargs)
+    new_args, new_kwargs, _ = _call(12, M=1)
+    del new_kwargs["out"]
+    out = fused_moe(*new_args, **new_kwargs)
+    assert all(not k.launches for k in kernels) and len(decode_kernel.launches) == 1
+    launch = plan.alone[0]
+    grid_x, grid_y, grid_z, stream, function, packed, metadata, enter, exit_hook, *kernel_args = \
+        decode_kernel.launches[0]
+    assert (grid_x, grid_y, grid_z) == launch.grid and stream == _stream()
+    by_name = dict(zip([name for name, _ in kernel_parameters(_fused_moe_kernel)], kernel_args))
+    assert by_name["x_ptr"] == new_args[0].data_ptr() and by_name["final_out_ptr"] == out.data_ptr()
+    assert by_name["out_ptr"] == accumulator.data_ptr()
+    assert by_name["topk_weights_ptr"] == new_args[3].data_ptr() and by_name["topk_ids_ptr"] == new_args[4].data_ptr()
+    assert by_name["sorted_token_ids_ptr"] is None and by_name["num_tokens"] == 1
+
+
+def test_a_one_token_forward_on_its_cached_decode_stays_within_its_python_call_budget():
+    args, kwargs, _ = _call(13, M=1)
+    del kwargs["out"]
+    _bind_recording_decode(args, kwargs)
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is not RecordingKernel.run.__code__:
+            calls.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fused_moe(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    # One launch, and the kept accumulator's address (the plan's method and the lookup it calls).
+    assert len(calls) <= FIXED_CALLS + CALLS_PER_LAUNCH + 2 + SLACK, calls
 
 
 def _changed(args, kwargs, what):
