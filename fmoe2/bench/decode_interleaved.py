@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
                     seconds(a.new_tokens + 1)
                 except Exception as error:  # noqa: BLE001 - recorded (out of memory), not fatal
                     errors[backend] = f"{type(error).__name__}: {str(error)[:200]}"
+                    print(f"{name} {backend} did not run:\n{traceback.format_exc()[-3000:]}", flush=True)
                     torch.cuda.empty_cache()
             running = [b for b in backends if b not in errors]
             rates = {b: [] for b in running}
