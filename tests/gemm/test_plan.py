@@ -344,12 +344,9 @@ def test_the_direct_path_refuses_an_overlapping_out():
 FIXED_CALLS, LORA_CALLS, CALLS_PER_LAUNCH, SLACK = 11, 6, 2, 2
 
 
-@pytest.mark.parametrize("lora", [False, True])
-@pytest.mark.parametrize("config", [SMALL, SMALL_TWO_STAGE], ids=["fused", "two_stage"])
-def test_a_forward_on_a_cached_plan_stays_within_its_python_call_budget(config, lora):
-    args, kwargs, _ = _call(7, lora=lora, config=config)
-    del kwargs["out"]
-    plan, _ = _bind_recording(args, kwargs)
+def _python_calls(fn) -> list:
+    """``file:function`` of every Python-level call ``fn()`` makes (sys.setprofile), the recording kernels' own
+    calls left out (they stand for Triton's C launcher)."""
     calls = []
 
     def profile(frame, event, arg):
@@ -358,9 +355,19 @@ def test_a_forward_on_a_cached_plan_stays_within_its_python_call_budget(config, 
 
     sys.setprofile(profile)
     try:
-        fused_moe(*args, **kwargs)
+        fn()
     finally:
         sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("config", [SMALL, SMALL_TWO_STAGE], ids=["fused", "two_stage"])
+def test_a_forward_on_a_cached_plan_stays_within_its_python_call_budget(config, lora):
+    args, kwargs, _ = _call(7, lora=lora, config=config)
+    del kwargs["out"]
+    plan, _ = _bind_recording(args, kwargs)
+    calls = _python_calls(lambda: fused_moe(*args, **kwargs))
     budget = FIXED_CALLS + LORA_CALLS * lora + CALLS_PER_LAUNCH * len(plan.launches) + SLACK
     assert len(plan.launches) == {(False, "fused"): 3, (False, "two_stage"): 3, (True, "fused"): 3,
                                   (True, "two_stage"): 7}[lora, config.path]
@@ -416,17 +423,7 @@ def test_a_one_token_forward_on_its_cached_decode_stays_within_its_python_call_b
     args, kwargs, _ = _call(13, M=1)
     del kwargs["out"]
     _bind_recording_decode(args, kwargs)
-    calls = []
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code is not RecordingKernel.run.__code__:
-            calls.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
-
-    sys.setprofile(profile)
-    try:
-        fused_moe(*args, **kwargs)
-    finally:
-        sys.setprofile(None)
+    calls = _python_calls(lambda: fused_moe(*args, **kwargs))
     # One launch, and the kept accumulator's address (the plan's method and the lookup it calls).
     assert len(calls) <= FIXED_CALLS + CALLS_PER_LAUNCH + 2 + SLACK, calls
 
