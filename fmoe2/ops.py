@@ -42,6 +42,7 @@ def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, e
                     prepared_hidden_size, prepared_intermediate_size, lora_a13, lora_b13, lora_a2, lora_b2,
                     lora_scaling, lora_rank, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha,
                     swiglu_limit, w1_scale=None, w2_scale=None, block_shape=None, deterministic=False):
+    from .gemm.decode import sort_path_only
     from .gemm.fused_moe import fused_moe
 
     block_shape = tuple(block_shape) if block_shape is not None else None
@@ -53,11 +54,15 @@ def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, e
     if lora_a13 is not None:
         lora = PreparedMoELoRA(lora_a13, lora_b13, lora_a2, lora_b2, lora_scaling, lora_rank,
                                hidden_states.shape[1], prepared_intermediate_size or w1.shape[1] // 2)
-    return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, expert_map=expert_map,
-                     config=FusedMoEConfig.from_dict(json.loads(config)) if config else None, path=path, lora=lora,
-                     token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
-                     gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                     w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape, deterministic=deterministic)
+    # No one-launch decode in here: CUDA-graph trees run a compiled step's first calls while allocating into their
+    # pool, where a kept accumulator would stop them recording (fmoe2/gemm/decode.py).
+    with sort_path_only():
+        return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, expert_map=expert_map,
+                         config=FusedMoEConfig.from_dict(json.loads(config)) if config else None, path=path, lora=lora,
+                         token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
+                         gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
+                         swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape,
+                         deterministic=deterministic)
 
 
 def _fused_moe_fake(hidden_states, *args):

@@ -374,6 +374,16 @@ def test_the_one_launch_decode_runs_alone_eagerly_and_graphs_keep_the_sort_path(
     device = torch.cuda.current_device()
     assert all(("cuda", device, s.cuda_stream) in kept for s in streams)
     assert all(not accumulator.any() for accumulator in kept.values())
+    # A plan first run by the registered op (torch.compile: the sort path) binds its decode at its first eager call.
+    fmoe2.clear_plan_cache()
+    x, tw, ti = inputs[1]
+    compiled = torch.compile(lambda x, tw, ti: fused_moe(x, prepared, None, tw, ti), fullgraph=True, backend="eager")
+    assert rel_error(compiled(x, tw, ti), refs[1]) <= tol
+    plan = plan_of(x, prepared, None, tw, ti)
+    assert plan.alone is None and plan.decode_pending
+    for _ in range(2):
+        assert rel_error(fused_moe(x, prepared, None, tw, ti), refs[1]) <= tol
+    assert plan.alone is not None and not plan.decode_pending
 
 
 def test_target_reads_each_device():
@@ -512,19 +522,27 @@ class _MoEBlock(torch.nn.Module):
 def test_torch_compile_traces_the_op_whole(mode, M):
     # fullgraph=True: no graph break around fmoe2.fused_moe (it becomes torch.ops.fmoe2.fused_moe);
     # reduce-overhead: Inductor captures it in CUDA graphs and skips none for mutated inputs.
+    # The compiled model runs first, on no cached plan and no kept accumulator: at M=1 the op's first eager calls
+    # (the one-launch decode's) then happen inside Inductor's warm-up, on its stream and memory pool.
     from torch._dynamo.utils import counters
+
+    from fmoe2.gemm.decode import kept_accumulators, release_kept_accumulators
 
     torch._dynamo.reset()
     counters.clear()
+    fmoe2.clear_plan_cache()
+    release_kept_accumulators()
     shape = SHAPES["qwen3-30b-a3b"]
     model = torch.nn.Sequential(_MoEBlock(shape, 1), _MoEBlock(shape, 2, prepared=False))
     compiled = torch.compile(model, fullgraph=True, mode=mode)
     with torch.no_grad():
-        for seed in range(3):
+        for seed in range(4):
             x = problem("qwen3-30b-a3b", M, torch.bfloat16, seed=seed)[0]
-            eager = model(x)
             out = compiled(x).clone()
+            eager = model(x)
             assert rel_error(out, eager) <= REL_TOL[torch.bfloat16], (seed, rel_error(out, eager))
+    torch.cuda.synchronize()
+    assert all(not accumulator.any() for accumulator in kept_accumulators().values())
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     if mode == "reduce-overhead":  # the step ran as a recorded CUDA graph
         from torch._inductor.cudagraph_trees import get_manager

@@ -22,6 +22,7 @@ from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..reference import ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
 from ..fp8 import FP8_DTYPES
+from .decode import one_launch_allowed
 from .config import (PATHS, FusedMoEConfig, deterministic_config, fit_config, fit_fp8_config, fit_lora_config_to_problem,
                      fp8_prefers_two_stage, get_config)
 from .launches import MoEProblem
@@ -133,14 +134,18 @@ def fused_moe(
                     token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit, w1_scale,
                     w2_scale, block_shape, deterministic)
     plan = PLANS.get(call[0]) if call is not None else None
-    if plan is not None and plan.launches is not None and direct_launches():
+    if (plan is not None and plan.launches is not None and direct_launches()
+            and not (plan.decode_pending and one_launch_allowed())):
         sources = call[1]
         if out is None:
             out = torch.empty_like(hidden_states)  # contiguous, as the key says hidden_states is
             sources[OUT_SOURCE] = out.data_ptr()
         else:
             plan.check_out_overlap(sources)
-        run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device, plan.alone)
+        alone = plan.alone
+        if alone is not None and not one_launch_allowed():
+            alone = None
+        run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device, alone)
         return out
     return run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
                        lora, token_lora_ids, call[0] if call is not None else None, plan, w1_bias=w1_bias,

@@ -33,7 +33,7 @@ from ..launch import BoundLaunch, bind_launches, direct_launches, raw_stream
 from ..sorting import checked_chunk_size
 from ..target import Target
 from .config import FusedMoEConfig
-from .decode import kept_accumulator
+from .decode import kept_accumulator, one_launch_allowed
 from . import launches
 from .launches import MoEProblem, forward_buffer_views, forward_buffers
 
@@ -74,6 +74,9 @@ class MoEPlan:
         self.decode_numel = self.hidden_size + 1  # the kept accumulator: H columns, then the add counter
         # Once bound: (the one-launch decode, the address of a stream's kept accumulator) for run_bound's ``alone``.
         self.alone: Optional[Tuple[BoundLaunch, Callable[[torch.device, int], int]]] = None
+        # Launches bound, the one-launch decode not yet (the first run was captured or the op's): the next call that
+        # may run it goes through run_jit, which binds it.
+        self.decode_pending = False
 
     def kept_accumulator_address(self, device: torch.device, stream: int) -> int:
         return kept_accumulator(device, stream, self.decode_numel).data_ptr()
@@ -98,11 +101,11 @@ class MoEPlan:
         """Runs the forward through Triton's JIT (which compiles on first use); binds the launches
         when they can be (first run of a bindable plan). A plan that ``decodes`` runs the one-launch decode
         unless the call is being captured into a CUDA graph; its first run runs (and binds) both forms, the
-        sort path for graphs and the one-launch decode for eager calls."""
-        decode_now = self.decodes and not stream_capturing(problem.x.device)
+        sort path for graphs and the one-launch decode for eager calls (not inside ``decode.sort_path_only``)."""
+        decode_now = self.decodes and one_launch_allowed() and not stream_capturing(problem.x.device)
         first = self.launches is None and self.bindable
         if decode_now and not first:
-            self._run_decode(problem, topk_weights, topk_ids, out, expert_map)
+            self._run_decode(problem, topk_weights, topk_ids, out, expert_map, bind=self.decode_pending)
             return
         block = self.layout.allocate(problem.x.device)
         specs = self.specs(problem, topk_weights, topk_ids, out, expert_map, block)
@@ -113,8 +116,11 @@ class MoEPlan:
             base = block.data_ptr()
             self.launches = bind_launches(specs, compiled, sources + [base + o for o in self.scratch_offsets])
             self.bindable = self.launches is not None
-            if decode_now and self.bindable:  # the same output again, to compile and bind the one-launch decode
-                self._run_decode(problem, topk_weights, topk_ids, out, expert_map, bind=True)
+            if self.decodes and self.bindable:
+                if decode_now:  # the same output again, to compile and bind the one-launch decode
+                    self._run_decode(problem, topk_weights, topk_ids, out, expert_map, bind=True)
+                else:
+                    self.decode_pending = True
 
     def _run_decode(self, problem: MoEProblem, topk_weights, topk_ids, out, expert_map, bind: bool = False) -> None:
         """The one-launch decode through Triton's JIT, on the current stream's kept accumulator; with ``bind``,
@@ -131,6 +137,7 @@ class MoEPlan:
             bound = bind_launches([spec], [compiled], sources + [accumulator.data_ptr()])
             if bound is not None:
                 self.alone = (bound[0], self.kept_accumulator_address)
+            self.decode_pending = False  # (bound, or not bindable: no second try)
 
     def check_out_overlap(self, sources: Sequence[int]) -> None:
         """Refuses an ``out`` that shares memory with an input (it may be written while they are read)."""

@@ -428,6 +428,33 @@ def test_a_one_token_forward_on_its_cached_decode_stays_within_its_python_call_b
     assert len(calls) <= FIXED_CALLS + CALLS_PER_LAUNCH + 2 + SLACK, calls
 
 
+def test_a_plan_first_run_by_the_op_binds_its_decode_at_the_next_eager_call(monkeypatch):
+    # A plan whose first run could not run the one-launch decode (inside the registered op, or captured) binds it at
+    # the next call that may: that call takes the checked path once, the calls after it launch the decode alone.
+    from fmoe2.gemm.decode import sort_path_only
+
+    args, kwargs, _ = _call(14, M=1)
+    del kwargs["out"]
+    with sort_path_only():
+        plan, kernels = _bind_recording(args, kwargs)
+        plan.bindable, plan.decode_pending = True, True  # as a GPU leaves a plan first run inside the op
+        fused_moe(*args, **kwargs)  # still the sort path, directly
+    assert [len(k.launches) for k in kernels] == [1, 1] and plan.alone is None
+    decode_kernel = RecordingKernel()
+    original = LaunchSpec.launch
+
+    def launch(spec):  # the interpreter hands back no compiled kernel: stand one in for the decode
+        original(spec)
+        return decode_kernel if spec.name == "decode" else None
+
+    monkeypatch.setattr(LaunchSpec, "launch", launch)
+    out = fused_moe(*args, **kwargs)  # binds the decode (its JIT run computes this call's output)
+    assert plan.alone is not None and plan.alone[0].compiled is decode_kernel and not plan.decode_pending
+    assert_matches_reference(out, *_call(14, M=1)[2])
+    fused_moe(*args, **kwargs)
+    assert len(decode_kernel.launches) == 1 and [len(k.launches) for k in kernels] == [1, 1]
+
+
 def _changed(args, kwargs, what):
     x, w1, w2, tw, ti = args
     if what == "M":
