@@ -11,6 +11,9 @@ the fused path; a three-launch two-stage path where it measures faster).
   inside the stages at decode sizes, else beside them);
 * :func:`set_deterministic` - deterministic, batch-invariant mode for every call (or ``fused_moe(...,
   deterministic=True)`` per call);
+* eager one-token calls run one launch on a float32 accumulator kept per stream (``fmoe2/gemm/decode.py``):
+  :func:`set_one_launch_decode` turns that off, :func:`sort_path_only` avoids it for the calls inside (a caller's
+  own op under ``torch.compile(mode="reduce-overhead")``), :func:`release_kept_accumulators` frees the buffers;
 * :mod:`fmoe2.reference` - pure-torch references of both ops;
 * ``torch.ops.fmoe2.fused_moe`` / ``torch.ops.fmoe2.moe_sorting`` - the same ops for
   ``torch.compile`` (:mod:`fmoe2.ops`; the functions above route to them while being traced).
@@ -21,6 +24,7 @@ layout, launches bound to their compiled kernels): :func:`clear_plan_cache` drop
 from .gemm import (FusedMoEConfig, MoELoRA, PreparedMoELoRA, PreparedMoEWeights, fused_moe, get_config, prepare_lora,
                    prepare_weights)
 from .determinism import deterministic_enabled, set_deterministic
+from .gemm.decode import release_kept_accumulators, set_one_launch_decode, sort_path_only
 from .fp8 import quantize_weights as quantize_fp8_weights
 from .reference import fused_moe_reference, moe_sorting_reference
 from .sorting import MoESortingResult, moe_sorting
@@ -28,12 +32,14 @@ from . import ops  # noqa: F401  (registers torch.ops.fmoe2.*)
 
 
 def clear_plan_cache() -> None:
-    """Drops the cached plans of :func:`fused_moe` and :func:`moe_sorting` (rebuilt on the next call)."""
+    """Drops the cached plans of :func:`fused_moe` and :func:`moe_sorting` (rebuilt on the next call) and the
+    one-launch decode's kept accumulators (:func:`release_kept_accumulators`)."""
     from .gemm.fused_moe import PLANS
     from .sorting.moe_sorting import SORT_PLANS
 
     PLANS.clear()
     SORT_PLANS.clear()
+    release_kept_accumulators()
 
 
 __version__ = "0.1.0"
@@ -52,6 +58,9 @@ __all__ = [
     "fused_moe_reference",
     "moe_sorting_reference",
     "clear_plan_cache",
+    "release_kept_accumulators",
+    "set_one_launch_decode",
+    "sort_path_only",
     "set_deterministic",
     "deterministic_enabled",
 ]

@@ -16,22 +16,38 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
 _ACCUMULATORS: Dict[Tuple[str, int, int], torch.Tensor] = {}
+# Accumulators outgrown by a wider call: kept alive until released, since a launch of another thread on the same
+# stream may have taken the old address just before it was replaced.
+_OUTGROWN: List[torch.Tensor] = []
+_GROWING = threading.Lock()
 _THREAD = threading.local()  # .sort_path_only: set inside sort_path_only()
+_enabled = True
+
+
+def set_one_launch_decode(enabled: bool) -> None:
+    """Turns the one-launch decode on (the default) or off for every thread: off, eager one-token calls run the sort
+    and the fused kernel, as CUDA graphs do, and keep no buffer between calls."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _enabled = enabled
 
 
 def one_launch_allowed() -> bool:
-    """Whether a one-token call of this thread may run the one-launch decode (not inside :func:`sort_path_only`)."""
-    return not getattr(_THREAD, "sort_path_only", False)
+    """Whether a one-token call of this thread may run the one-launch decode: on (:func:`set_one_launch_decode`)
+    and not inside :func:`sort_path_only`."""
+    return _enabled and not getattr(_THREAD, "sort_path_only", False)
 
 
 @contextlib.contextmanager
 def sort_path_only() -> Iterator[None]:
-    """Calls of this thread inside run the sort path, which keeps no buffer between calls (the registered op's)."""
+    """Calls of this thread inside run the sort path, which keeps no buffer between calls: the registered op's calls,
+    and any caller's own op or graph-pool code around :func:`fmoe2.fused_moe` (``fmoe2.sort_path_only()``)."""
     previous = getattr(_THREAD, "sort_path_only", False)
     _THREAD.sort_path_only = True
     try:
@@ -46,20 +62,30 @@ def kept_accumulator(device: torch.device, stream: int, numel: int) -> torch.Ten
     key = (device.type, device.index if device.index is not None else -1, stream)
     accumulator = _ACCUMULATORS.get(key)
     if accumulator is None or accumulator.numel() < numel:
-        accumulator = _ACCUMULATORS[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+        with _GROWING:
+            accumulator = _ACCUMULATORS.get(key)
+            if accumulator is None or accumulator.numel() < numel:
+                if accumulator is not None:
+                    _OUTGROWN.append(accumulator)
+                accumulator = _ACCUMULATORS[key] = torch.zeros(numel, dtype=torch.float32, device=device)
     return accumulator
 
 
 def kept_accumulators() -> Dict[Tuple[str, int, int], torch.Tensor]:
-    """Every kept accumulator by ``(device type, device index, stream)`` (for tests: each must be all zeros
+    """Every kept accumulator in use by ``(device type, device index, stream)`` (for tests: each must be all zeros
     between calls)."""
     return dict(_ACCUMULATORS)
 
 
 def release_kept_accumulators() -> None:
-    """Drops the kept accumulators (the next one-launch decode on each stream allocates its own again)."""
-    _ACCUMULATORS.clear()
+    """Drops the kept accumulators (the next one-launch decode on each stream allocates a zeroed one again): frees
+    their memory, and recovers from a launch that did not finish (an interrupted or failed kernel can leave one
+    non-zero, which would spoil every later one-token call on its stream). Call it with no decode in flight
+    (after ``torch.cuda.synchronize()``); :func:`fmoe2.clear_plan_cache` calls it."""
+    with _GROWING:
+        _ACCUMULATORS.clear()
+        _OUTGROWN.clear()
 
 
 __all__ = ["kept_accumulator", "kept_accumulators", "release_kept_accumulators", "one_launch_allowed",
-           "sort_path_only"]
+           "sort_path_only", "set_one_launch_decode"]

@@ -645,9 +645,10 @@ def fused_kernel_casts(problem: MoEProblem, config: FusedMoEConfig) -> bool:
 
 def decodes_in_one_launch(problem: MoEProblem, config: FusedMoEConfig) -> bool:
     """Whether an eager call (not one captured in a CUDA graph) may run the forward as one launch of the fused kernel,
-    with no sort: one token, the fused path with the kernel's own cast (:func:`fused_kernel_casts`), no adapters.
-    Its accumulator is kept between calls (``fmoe2/gemm/decode.py``)."""
-    return problem.num_tokens == 1 and problem.lora is None and fused_kernel_casts(problem, config)
+    with no sort: one token, the fused path with the kernel's own cast (:func:`fused_kernel_casts`), no adapters,
+    16-bit weights. Its accumulator is kept between calls (``fmoe2/gemm/decode.py``)."""
+    return (problem.num_tokens == 1 and problem.lora is None and not problem.fp8  # (fp8: the sort quantizes x)
+            and fused_kernel_casts(problem, config))
 
 
 def decode_launch(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,

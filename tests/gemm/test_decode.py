@@ -169,6 +169,38 @@ def test_forwards_it_does_not_apply_to_keep_their_launches(what, launched):
     assert not kept_accumulators()
 
 
+def test_the_decode_can_be_turned_off_and_its_buffers_released(launched):
+    x, w1, w2, tw, ti = _problem(seed=6)
+
+    def call():
+        out = fused_moe(x, w1, w2, tw, ti, out=poisoned(1, x.shape[1], x.dtype), config=SMALL)
+        assert_matches_reference(out, x, w1, w2, tw, ti)
+
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        fmoe2.set_one_launch_decode(1)
+    fmoe2.set_one_launch_decode(False)
+    try:
+        call()
+    finally:
+        fmoe2.set_one_launch_decode(True)
+    assert "decode" not in launched and not kept_accumulators(), launched
+    launched.clear()
+    with fmoe2.sort_path_only():  # a caller's own op around fused_moe, under reduce-overhead
+        call()
+    assert "decode" not in launched and not kept_accumulators(), launched
+    launched.clear()
+    call()
+    _assert_kept_accumulators_zero()
+    # A kept accumulator left non-zero (a launch that did not finish) spoils the calls after it, until released;
+    # clear_plan_cache releases them too.
+    for accumulator in kept_accumulators().values():
+        accumulator.fill_(1.0)
+    fmoe2.clear_plan_cache()
+    assert not kept_accumulators()
+    call()
+    _assert_kept_accumulators_zero()
+
+
 def test_the_one_launch_decode_refuses_what_it_does_not_compute():
     from fmoe2.gemm.launches import decode_launch
     from fmoe2.gemm.fused_moe import check_fused_moe_args, pick_config

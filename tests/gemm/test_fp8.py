@@ -122,6 +122,18 @@ def test_fp8_forward_matches_the_same_quantization_reference(scheme, path, prepa
 
 
 @needs_fp8
+def test_fp8_one_token_with_a_float32_accumulator_keeps_the_sort_path():
+    # The eager one-launch decode is for 16-bit weights (fp8's x is quantized by the sort launch): a caller's
+    # accumulate_fp32=True config at M=1 runs the sort and the fused kernel, casting in the kernel.
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(1, 6, 200, 136, 3, "block")
+    config = fmoe2.FusedMoEConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_H=16, accumulate_fp32=True)
+    for _ in range(2):  # (the plan's first call, then a cached one)
+        out = poisoned(1, 200, DTYPE)
+        fused_moe(x, w1, w2, tw, ti, out=out, path="fused", config=config, **scales)
+        _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+@needs_fp8
 @pytest.mark.parametrize("topk", [1, 8])
 def test_fp8_topk_extremes_with_a_non_square_block(topk):
     x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(11, 10, 136, 72, topk, "block", seed=topk,
