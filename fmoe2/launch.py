@@ -341,21 +341,16 @@ def run_bound(launches: Sequence[BoundLaunch], sources: Sequence[int], scratch_b
     instead, on ``sources`` and the address ``kept(device, stream)`` gives (a buffer kept per stream), and None
     is returned."""
     if device.type != "cuda":
-        if alone is not None:
-            alone[0](0, [*sources, alone[1](device, 0)])
-            return None
-        block = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
-        base = block.data_ptr()
-        values = [*sources, *[base + offset for offset in scratch_offsets]]
-        for launch in launches:
-            launch(0, values)
-        return block
-    index = device.index
-    if torch._C._cuda_getDevice() != index:
-        with torch.cuda.device(index):
-            return run_bound(launches, sources, scratch_bytes, scratch_offsets, device, alone)
-    stream = raw_stream(index)
-    if alone is not None and not torch._C._cuda_isCurrentStreamCapturing():
+        stream = 0
+    else:
+        index = device.index
+        if torch._C._cuda_getDevice() != index:
+            with torch.cuda.device(index):
+                return run_bound(launches, sources, scratch_bytes, scratch_offsets, device, alone)
+        stream = raw_stream(index)
+        if alone is not None and torch._C._cuda_isCurrentStreamCapturing():
+            alone = None
+    if alone is not None:
         alone[0](stream, [*sources, alone[1](device, stream)])
         return None
     block = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)

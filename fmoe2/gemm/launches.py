@@ -694,5 +694,5 @@ def forward_buffer_views(problem: MoEProblem, config: FusedMoEConfig, views: dic
 
 __all__ = ["MoEProblem", "TwoStageWorkspace", "forward_specs", "forward_buffers", "forward_buffer_views",
            "fused_kernel_launch", "stage2_kernel_launch", "lora_shrink_launch", "lora_expand_launch",
-           "combine_launch", "fused_kernel_casts", "decodes_in_one_launch", "decode_launch", "tma_enabled", "pdl_enabled", "deltas_in_stages", "lora_constexprs",
-           "grid_tiles"]
+           "combine_launch", "fused_kernel_casts", "decodes_in_one_launch", "decode_launch", "tma_enabled",
+           "pdl_enabled", "deltas_in_stages", "lora_constexprs", "grid_tiles"]

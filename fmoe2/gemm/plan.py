@@ -53,6 +53,12 @@ def input_sources(problem: MoEProblem, topk_weights, topk_ids, out, expert_map) 
             *lora_tensors, problem.w1_bias, problem.w2_bias, problem.w1_scale, problem.w2_scale]
 
 
+def source_addresses(problem: MoEProblem, topk_weights, topk_ids, out, expert_map) -> List[int]:
+    """The device address of each of the call's :data:`INPUT_SOURCES` (0 where absent)."""
+    return [t.data_ptr() if t is not None else 0
+            for t in input_sources(problem, topk_weights, topk_ids, out, expert_map)]
+
+
 @dataclass
 class MoEPlan:
     """A forward settled for one key (module docstring)."""
@@ -111,8 +117,7 @@ class MoEPlan:
         specs = self.specs(problem, topk_weights, topk_ids, out, expert_map, block)
         compiled = [spec.launch() for spec in specs]
         if first:
-            sources = [t.data_ptr() if t is not None else 0
-                       for t in input_sources(problem, topk_weights, topk_ids, out, expert_map)]
+            sources = source_addresses(problem, topk_weights, topk_ids, out, expert_map)
             base = block.data_ptr()
             self.launches = bind_launches(specs, compiled, sources + [base + o for o in self.scratch_offsets])
             self.bindable = self.launches is not None
@@ -132,8 +137,7 @@ class MoEPlan:
                                       self.target, accumulator)
         compiled = spec.launch()
         if bind:
-            sources = [t.data_ptr() if t is not None else 0
-                       for t in input_sources(problem, topk_weights, topk_ids, out, expert_map)]
+            sources = source_addresses(problem, topk_weights, topk_ids, out, expert_map)
             bound = bind_launches([spec], [compiled], sources + [accumulator.data_ptr()])
             if bound is not None:
                 self.alone = (bound[0], self.kept_accumulator_address)

@@ -15,7 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, prepare_lora, prepare_weights
 from fmoe2.gemm.fused_moe import PLANS, check_fused_moe_args, plan_of
-from fmoe2.gemm.plan import INPUT_SOURCES, input_sources
+from fmoe2.gemm.plan import INPUT_SOURCES, source_addresses
 from fmoe2.gemm.fused_moe_kernel import _fused_moe_kernel
 from fmoe2.launch import LaunchSpec, bind_launches, kernel_parameters, set_launch_mode
 from helpers import DEVICE, assert_matches_reference, make_lora, make_problem, make_token_lora_ids, poisoned
@@ -95,8 +95,7 @@ def _specs_and_sources(args, kwargs):
                                    **options)
     block = plan.layout.allocate(args[0].device)
     specs = plan.specs(problem, args[3], args[4], out, kwargs.get("expert_map"), block)
-    inputs = input_sources(problem, args[3], args[4], out, kwargs.get("expert_map"))
-    sources = [t.data_ptr() if t is not None else 0 for t in inputs]
+    sources = source_addresses(problem, args[3], args[4], out, kwargs.get("expert_map"))
     return plan, specs, sources + [block.data_ptr() + o for o in plan.layout.offsets]
 
 
@@ -393,7 +392,7 @@ def _bind_recording_decode(args, kwargs):
     problem = check_fused_moe_args(*args, "silu", out, None, kwargs["config"], "auto", None, None)
     accumulator = kept_accumulator(args[0].device, _stream(), plan.decode_numel)
     spec = launches.decode_launch(problem, args[3], args[4], "silu", out, None, plan.config, plan.target, accumulator)
-    sources = [t.data_ptr() if t is not None else 0 for t in input_sources(problem, args[3], args[4], out, None)]
+    sources = source_addresses(problem, args[3], args[4], out, None)
     decode_kernel = RecordingKernel()
     bound = bind_launches([spec], [decode_kernel], sources + [accumulator.data_ptr()])
     plan.alone = (bound[0], plan.kept_accumulator_address)
