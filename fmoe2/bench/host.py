@@ -11,7 +11,8 @@ shapes at M=1, bf16, prepared weights, in one run on the GPU:
   16, 4 adapters, mixed) on both paths: each with plans launching directly (the default) and with
   every launch through Triton's JIT (``fmoe2.launch.set_launch_mode("jit")``);
 * at one token, the one-launch decode against the same plan's sort path, in turns (host time and one eager
-  call: ``fmoe2/gemm/decode.py``);
+  call: ``fmoe2/gemm/decode.py``), and the decode's kernel alone in a CUDA graph; the GPU time of one eager
+  launch of an empty kernel from an idle GPU, which every eager call pays beyond its kernels;
 * the forward's GPU time three ways: one eager call timed with CUDA events from an idle GPU (what
   the host adds to one call's latency), back-to-back eager calls (events around 200 calls: what an
   eager model loop pays per layer), and a CUDA-graph replay (10 calls per graph);
@@ -39,7 +40,7 @@ import triton
 
 import fmoe2
 from fmoe2.gemm.config import device_config_name
-from fmoe2.gemm.fused_moe import plan_of
+from fmoe2.gemm.fused_moe import call_key, plan_of
 from fmoe2.launch import LaunchSpec, bind_launches, raw_stream, set_launch_mode
 from fmoe2.shapes import SHAPES
 
@@ -112,6 +113,9 @@ def reference_costs() -> dict:
                                                                 compiled.packed_metadata, None, None, None, *args)),
         # ... and as a bound launch calls it (fmoe2.launch.direct_launcher: Triton 3.6's C launch function).
         "triton_empty_kernel_bound": host_us(lambda: bound(raw_stream(index), sources)),
+        # GPU time of one bound launch of the empty kernel from an idle GPU (CUDA events): the least one eager call
+        # of any forward takes beyond its kernels' own time.
+        "triton_empty_kernel_bound_one_call_gpu": eager_event_us(lambda: bound(raw_stream(index), sources)),
         "torch_add": host_us(lambda: torch.add(x, y)),
         "torch_empty": host_us(lambda: torch.empty(64, device="cuda")),
     }
@@ -170,7 +174,9 @@ def forward_costs(name, shape, M, gen) -> dict:
     row["forward_graph_us"] = time_in_graph(forward)
     row["forward_eager_one_call_us"] = eager_event_us(forward)
     row["forward_eager_back_to_back_us"] = eager_event_us(forward, calls=EAGER_CALLS, rounds=5)
-    row.update(one_launch_decode_costs(plan_of(x, prepared, None, tw, ti), forward))
+    plan = plan_of(x, prepared, None, tw, ti)
+    row.update(one_launch_decode_costs(plan, forward))
+    row.update(decode_kernel_costs(plan, x, prepared, tw, ti, forward))
     return row
 
 
@@ -191,6 +197,28 @@ def one_launch_decode_costs(plan, forward, turns: int = DECODE_TURNS) -> dict:
     finally:
         plan.alone = alone
     return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def decode_kernel_costs(plan, x, weights, topk_weights, topk_ids, forward) -> dict:
+    """GPU us of the one-launch decode's kernel alone: its bound launch captured into a CUDA graph as a plain call
+    (a captured forward takes the sort path instead), on an accumulator of its own, which must be zero again after
+    the replays; its output is checked against ``forward``'s. Empty where the plan has no bound decode."""
+    if plan is None or plan.alone is None:
+        return {}
+    out = torch.empty_like(x)
+    _, sources = call_key(x, weights, None, topk_weights, topk_ids, plan.activation, out, None, None, "auto", None,
+                          None)
+    accumulator = torch.zeros(plan.decode_numel, dtype=torch.float32, device=x.device)
+    launch, index = plan.alone[0], x.device.index
+    us = time_in_graph(lambda: launch(raw_stream(index), [*sources, accumulator.data_ptr()]))
+    torch.cuda.synchronize()
+    if accumulator.any():
+        raise SystemExit("the one-launch decode left its accumulator non-zero")
+    expected = forward()
+    err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    if not err < 1e-2:
+        raise SystemExit(f"the captured one-launch decode is off the forward: relative error {err:.2e}")
+    return {"decode_kernel_graph_us": us}
 
 
 class TwoLayerMoE(torch.nn.Module):
@@ -242,12 +270,16 @@ def compiled_module_costs(name, shape, M, gen) -> dict:
     return row
 
 
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def markdown(result: dict) -> str:
     ref = result["references"]
     lines = [f"# Host cost per call: {result['device']}", "",
              provenance_line(result), "",
              "| reference | host us per call |", "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in ref.items()]
+    lines += [f"| {k} | {v:.1f} |" for k, v in ref.items() if not k.endswith("_gpu")]  # (GPU time: below)
     lines += ["", "Host us per call (plans launching directly / every launch through Triton's JIT), bf16, "
               "prepared weights, back-to-back calls:", "",
               "| shape | M | moe_sorting | fused | two-stage | LoRA fused | LoRA two-stage |", "|---|---|---|---|---|---|---|"]
@@ -271,12 +303,17 @@ def markdown(result: dict) -> str:
                   f"{DECODE_TURNS} turns each, us: host per call, and one eager call from an idle GPU over the graph "
                   "time:", "",
                   "| shape | M | host, sort path | host, one launch | one call, sort path | one call, one launch | "
-                  "one launch / graph |", "|---|---|---|---|---|---|---|"]
+                  "one launch / graph | decode kernel alone, graph |", "|---|---|---|---|---|---|---|---|"]
         for row in decode_rows:
             lines.append(f"| {row['shape']} | {row['M']} | {row['decode_sort_path_host_us']:.1f} | "
                          f"{row['decode_one_launch_host_us']:.1f} | {row['decode_sort_path_eager_one_call_us']:.1f} | "
                          f"{row['decode_one_launch_eager_one_call_us']:.1f} | "
-                         f"{row['decode_one_launch_eager_one_call_us'] / row['forward_graph_us']:.2f}x |")
+                         f"{row['decode_one_launch_eager_one_call_us'] / row['forward_graph_us']:.2f}x | "
+                         f"{_us(row.get('decode_kernel_graph_us'))} |")
+        floor = ref.get("triton_empty_kernel_bound_one_call_gpu")
+        if floor is not None:
+            lines += ["", f"One eager call of an empty kernel's bound launch from an idle GPU took {floor:.1f} us: "
+                      "one eager call of the decode takes at least that plus its kernel alone."]
     if result.get("compiled"):
         lines += ["", f"A {COMPILED_LAYERS}-layer MoE module (router, top-k, fused_moe, residual), us per step "
                   "(GPU, back-to-back steps):", "",

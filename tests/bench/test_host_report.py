@@ -1,6 +1,6 @@
 """The host-cost benchmark's report (fmoe2/bench/host.py) from a recorded result: every table, the one-launch decode's
 rows only for the forwards that have one."""
-from fmoe2.bench.host import markdown, one_launch_decode_costs
+from fmoe2.bench.host import decode_kernel_costs, markdown, one_launch_decode_costs
 
 
 def _row(shape, decode):
@@ -20,7 +20,21 @@ def test_the_report_has_a_decode_row_for_each_forward_with_one_launch():
               "command": "python -m fmoe2.bench.host", "references": {"torch_add": 7.0},
               "forward": [_row("qwen3-30b-a3b", True), _row("mixtral-8x7b", False)], "compiled": []}
     text = markdown(result)
-    assert "| qwen3-30b-a3b | 1 | 27.0 | 15.0 | 55.0 | 42.0 | 1.50x |" in text
+    assert "| qwen3-30b-a3b | 1 | 27.0 | 15.0 | 55.0 | 42.0 | 1.50x | - |" in text  # (recorded before the kernel column)
     decode_table = text.split("The one-launch decode")[1]
     assert "mixtral-8x7b" not in decode_table
+    assert "empty kernel" not in text  # (no recorded one-call floor: no sentence about it)
     assert one_launch_decode_costs(None, lambda: None) == {}
+    assert decode_kernel_costs(None, None, None, None, None, lambda: None) == {}
+
+
+def test_the_decode_table_gives_the_kernel_alone_and_the_one_call_floor():
+    row = _row("deepseek-v2-lite", True)
+    row["decode_kernel_graph_us"] = 30.3
+    result = {"device": "GPU", "date": "2026-11-27", "torch": "2.11", "triton": "3.6",
+              "command": "python -m fmoe2.bench.host",
+              "references": {"torch_add": 7.0, "triton_empty_kernel_bound_one_call_gpu": 18.5},
+              "forward": [row], "compiled": []}
+    text = markdown(result)
+    assert "| deepseek-v2-lite | 1 | 27.0 | 15.0 | 55.0 | 42.0 | 1.50x | 30.3 |" in text
+    assert "empty kernel's bound launch from an idle GPU took 18.5 us" in text
