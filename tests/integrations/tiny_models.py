@@ -68,8 +68,10 @@ def experts_modules(model):
                                                                                else "up_proj")]
 
 
-def build(model_type: str, dtype=torch.float32, impl: str = "eager", device="cpu", seed: int = 0, layers: int = 2):
-    """A tiny random CausalLM of ``model_type`` with experts that matter (module docstring)."""
+def build(model_type: str, dtype=torch.float32, impl: str = "eager", device="cpu", seed: int = 0, layers: int = 2,
+          sizes=None):
+    """A tiny random CausalLM of ``model_type`` with experts that matter (module docstring); ``sizes``: config
+    fields over the generic ones (e.g. ``hidden_size``)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -78,6 +80,7 @@ def build(model_type: str, dtype=torch.float32, impl: str = "eager", device="cpu
     fields = getattr(config_class, "__dataclass_fields__", {})
     kwargs = {k: v for k, v in GENERIC.items() if k in fields or hasattr(base, k)}
     kwargs.update(EXTRA.get(model_type, {}))
+    kwargs.update(sizes or {})
     kwargs["num_hidden_layers"] = layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_class(**kwargs), experts_implementation=impl, dtype=torch.float32)
