@@ -207,6 +207,32 @@ def test_fp8_op_passes_opcheck_and_plans_key_on_the_block_shape():
     assert not torch.equal(fused_moe(x, w1, w2, tw, ti, **other), out)
 
 
+@needs_fp8
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"] if DEVICE == "cuda" else ["aot_eager"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
+def test_fp8_forward_traces_whole_under_torch_compile(prepared, mode):
+    # fullgraph=True raises on a graph break: the registered op carries the scales and the block shape (prepared
+    # weights' own included). CPU: the compiled graph under aot_eager (kernels interpreted); GPU: Inductor, and
+    # with reduce-overhead in CUDA graphs, compiled first (M=1: the forward's first calls are Inductor's).
+    torch._dynamo.reset()
+    fmoe2.clear_plan_cache()
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(9, 4, 136, 72, 2, "block", seed=5)
+    weights, kwargs = ((prepare_weights(w1, w2, **scales), None), {}) if prepared else ((w1, w2), scales)
+
+    def forward(x, tw, ti):
+        return fused_moe(x, *weights, tw, ti, **kwargs)
+
+    options = dict(backend="aot_eager") if mode == "aot_eager" else dict(mode=mode)
+    compiled = torch.compile(forward, fullgraph=True, **options)
+    with torch.no_grad():
+        for M in (1, 9):
+            outs = [compiled(x[:M], tw[:M], ti[:M]).clone() for _ in range(3)]  # (reduce-overhead: replays)
+            for out in outs:
+                _check(out, x[:M], w1, w2, tw[:M], ti[:M], scales, unquantized)
+            if mode == "aot_eager":  # the interpreter adds in a fixed order
+                assert torch.equal(outs[0], forward(x[:M], tw[:M], ti[:M]))
+
+
 gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="large shapes and CUDA graphs: GPU only")
 
 
