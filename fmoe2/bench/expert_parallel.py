@@ -4,6 +4,7 @@
     python -m torch.distributed.run --nproc-per-node 2 -m fmoe2.bench.expert_parallel decode DIR --out ep2.json
     python -m fmoe2.bench.expert_parallel decode DIR --out one.json            (one process: no parallelism)
     python -m fmoe2.bench.expert_parallel compare one.json ep2.json [--min 0.95]
+    python -m fmoe2.bench.expert_parallel table one.json ep2.json ep2_grouped_mm.json   (markdown: step times)
 
 ``save`` writes a model built from a real config's layer sizes with random weights (``fmoe2.bench.model``;
 no download). ``decode`` loads a saved model and decodes greedily: under ``torch.distributed.run`` with
@@ -16,7 +17,7 @@ under the Triton interpreter). It records the greedy tokens of ``--steps`` steps
 prompt, how many experts calls each rank sent to fmoe2 (0 would mean transformers' own backend ran),
 and with ``--time`` the decode step time per token at each ``--batch`` size (median of ``--repeats``
 runs, after a warm-up). ``compare`` prints the fraction of equal greedy tokens of two runs and exits 1
-below ``--min``.
+below ``--min``; ``table`` prints the decode step times of several runs side by side, with each run's provenance.
 
 transformers' expert parallelism needs ``accelerate`` installed (it places the shards).
 """
@@ -148,6 +149,28 @@ def agreement(a: dict, b: dict) -> float:
     return equal / total
 
 
+def step_time_table(runs: dict) -> str:
+    """Markdown: decode ms per step of each run (``{file name: decode result}``, columns) at each batch size (rows),
+    then each run's backend, ranks and provenance."""
+    batches = sorted({p["batch"] for r in runs.values() for p in r["points"] if "decode_step_ms" in p})
+    names = list(runs)
+    label = {n: f"{runs[n]['backend']}, {runs[n]['world_size']} rank{'s' if runs[n]['world_size'] > 1 else ''}"
+             for n in names}
+    lines = ["| batch | " + " | ".join(label[n] for n in names) + " |", "|---|" + "---|" * len(names)]
+    for batch in batches:
+        cells = []
+        for n in names:
+            point = next((p for p in runs[n]["points"] if p["batch"] == batch), {})
+            cells.append(f"{point['decode_step_ms']:.2f}" if "decode_step_ms" in point else "-")
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for n in names:
+        r = runs[n]
+        lines.append(f"- `{n}`: {label[n]}, {r['dtype']}, {r.get('device', '?')}, {r.get('date', '?')}, torch "
+                     f"{r.get('torch', '?')}, Triton {r.get('triton', '?')}; `{r.get('command', '?')}`")
+    return "\n".join(lines) + "\n"
+
+
 def save(args) -> int:
     from .model import build_model
 
@@ -179,11 +202,20 @@ def main(argv=None) -> int:
     c.add_argument("a")
     c.add_argument("b")
     c.add_argument("--min", type=float, default=0.95, help="exit 1 below this fraction")
+    t = sub.add_parser("table", help="markdown table of the decode step times of several decode results")
+    t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
     if args.command == "save":
         return save(args)
     if args.command == "decode":
         return decode(args)
+    if args.command == "table":
+        runs = {}
+        for path in args.results:
+            with open(path) as f:
+                runs[os.path.basename(path)] = json.load(f)
+        print(step_time_table(runs), end="")
+        return 0
     with open(args.a) as fa, open(args.b) as fb:
         frac = agreement(json.load(fa), json.load(fb))
     print(f"equal greedy tokens: {frac:.1%}")

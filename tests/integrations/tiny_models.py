@@ -103,3 +103,11 @@ def build(model_type: str, dtype=torch.float32, impl: str = "eager", device="cpu
                     fan_in = p.shape[1] if getattr(experts, "is_transposed", False) else p.shape[2]
                     p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
     return model.to(device=device, dtype=dtype).eval()
+
+
+if __name__ == "__main__":  # python tests/integrations/tiny_models.py MODEL_TYPE DIR [bf16|fp32]: save one (e.g. for
+    import sys  # fmoe2.bench.expert_parallel's two-GPU run, docs/transformers.md)
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    build(sys.argv[1], dtype=dtypes[sys.argv[3] if len(sys.argv) > 3 else "bf16"]).save_pretrained(sys.argv[2])
+    print(f"saved a tiny {sys.argv[1]} to {sys.argv[2]}")
