@@ -122,10 +122,14 @@ def decode(args) -> int:
         for point in result["points"]:
             point["fmoe2_calls"] = [point["fmoe2_calls"]]
     if rank == 0:
+        import transformers
+
         from .provenance import run_record
 
-        if torch.cuda.is_available():
-            result.update(run_record("python -m fmoe2.bench.expert_parallel"))
+        prog = "python -m fmoe2.bench.expert_parallel"
+        if world > 1:  # (the launcher is part of the command: without it the same arguments run one process)
+            prog = f"python -m torch.distributed.run --nproc-per-node {world} -m fmoe2.bench.expert_parallel"
+        result.update(run_record(prog), transformers=transformers.__version__)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(json.dumps({p["batch"]: {k: v for k, v in p.items() if k != "tokens"} for p in result["points"]}))
@@ -166,8 +170,10 @@ def step_time_table(runs: dict) -> str:
     lines.append("")
     for n in names:
         r = runs[n]
-        lines.append(f"- `{n}`: {label[n]}, {r['dtype']}, {r.get('device', '?')}, {r.get('date', '?')}, torch "
-                     f"{r.get('torch', '?')}, Triton {r.get('triton', '?')}; `{r.get('command', '?')}`")
+        versions = (f"torch {r.get('torch', '?')}, Triton {r.get('triton', '?')}, "
+                    f"transformers {r.get('transformers', '?')}")
+        lines.append(f"- `{n}`: {label[n]}, {r['dtype']}, {r.get('device', '?')}, {r.get('date', '?')}, {versions}; "
+                     f"`{r.get('command', '?')}`")
     return "\n".join(lines) + "\n"
 
 
@@ -211,9 +217,9 @@ def main(argv=None) -> int:
         return decode(args)
     if args.command == "table":
         runs = {}
-        for path in args.results:
+        for path in args.results:  # (by path as given: two files of one name in two folders stay two columns)
             with open(path) as f:
-                runs[os.path.basename(path)] = json.load(f)
+                runs[path] = json.load(f)
         print(step_time_table(runs), end="")
         return 0
     with open(args.a) as fa, open(args.b) as fb:

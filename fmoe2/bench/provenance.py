@@ -15,9 +15,10 @@ import triton
 
 def run_record(prog: str, argv: Optional[Sequence[str]] = None) -> dict:
     """``device``, ``date`` (UTC), ``torch``, ``triton`` and ``command`` (``prog`` and its arguments:
-    ``argv``, or ``sys.argv[1:]`` when None) of a run on the current CUDA/HIP device."""
+    ``argv``, or ``sys.argv[1:]`` when None) of a run on the current CUDA/HIP device (``"cpu"`` without one)."""
     args = sys.argv[1:] if argv is None else argv
-    return dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 torch=torch.__version__, triton=triton.__version__,
                 command=" ".join([prog, *(shlex.quote(v) for v in args)]))
 

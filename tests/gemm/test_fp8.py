@@ -231,6 +231,7 @@ def test_fp8_forward_traces_whole_under_torch_compile(prepared, mode):
                 _check(out, x[:M], w1, w2, tw[:M], ti[:M], scales, unquantized)
             if mode == "aot_eager":  # the interpreter adds in a fixed order
                 assert torch.equal(outs[0], forward(x[:M], tw[:M], ti[:M]))
+    torch._dynamo.reset()  # (no compiled state left to later tests)
 
 
 gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="large shapes and CUDA graphs: GPU only")

@@ -57,6 +57,8 @@ def test_two_expert_parallel_ranks_decode_the_tokens_of_one_process(model_type, 
     from fmoe2.bench.expert_parallel import agreement
 
     assert two["world_size"] == 2 and len(two["points"][0]["fmoe2_calls"]) == 2
+    assert "torch.distributed.run --nproc-per-node 2 -m fmoe2.bench.expert_parallel decode" in two["command"]
+    assert one["command"].startswith("python -m fmoe2.bench.expert_parallel decode") and one["device"] == "cpu"
     assert all(calls > 0 for calls in two["points"][0]["fmoe2_calls"])  # both ranks' experts ran on fmoe2
     assert one["points"][0]["fmoe2_calls"][0] > 0
     assert agreement(one, two) >= 0.95

@@ -4,8 +4,9 @@ skipped without one with fp8 matrix instructions, or without ``accelerate``, whi
 Two ways in, both through ``from_pretrained`` and transformers' fine-grained fp8 quantizer: a bf16 checkpoint
 quantized on load (``FineGrainedFP8Config``: e4m3 experts with one float32 scale per 128 x 128 block), and an fp8
 checkpoint laid out as DeepSeek-V3's and the Qwen3 FP8 releases are (each expert's e4m3 weights with their
-``weight_scale_inv`` beside them, a ``quantization_config`` in ``config.json``), read as pre-quantized. Only the experts are quantized: transformers' own fp8 linear layers
-need a kernel downloaded from its hub at run time, and fmoe2 is the experts' backend, not theirs.
+``weight_scale_inv`` beside them, a ``quantization_config`` in ``config.json``), read as pre-quantized. Only the
+experts are quantized: transformers' own fp8 linear layers need a kernel downloaded from its hub at run time, and
+fmoe2 is the experts' backend, not theirs.
 
 Checked: the experts are transformers' ``FP8Experts`` with e4m3 weights and float32 block scales, fmoe2 computes every
 experts call of a prefill and of the decode steps (no fallback) within 1e-2 of fmoe2's torch reference with the same
@@ -16,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -91,25 +91,29 @@ def checkpoints(tmp_path_factory):
 
 def _prompt(model):
     gen = torch.Generator(device="cpu").manual_seed(3)
-    return torch.randint(0, model.config.vocab_size, (3, 10), generator=gen).cuda()
+    return torch.randint(0, model.config.vocab_size, (3, 10), generator=gen).to(model.device)
 
 
-def _check_experts_calls(model):
-    """Every experts call of a prefill and 3 greedy decode steps, recomputed by the references."""
+def _check_experts_calls(model, monkeypatch):
+    """Every experts call of a prefill and 3 greedy decode steps: each one into fmoe2, each recomputed by the
+    references."""
     from transformers.integrations.finegrained_fp8 import FP8Experts
 
     modules = experts_modules(model)
     assert modules and all(isinstance(m, FP8Experts) for m in modules), [type(m) for m in modules]
+    into_fmoe2 = []
+    inner = backend.fused_moe
+    monkeypatch.setattr(backend, "fused_moe", lambda *args, **kwargs: into_fmoe2.append(1) or inner(*args, **kwargs))
     calls = []
     hooks = [m.register_forward_hook(lambda module, args, out: calls.append((module, args, out))) for m in modules]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    try:
         with torch.no_grad():
             tokens = model.generate(_prompt(model), max_new_tokens=4, do_sample=False)
-    for hook in hooks:
-        hook.remove()
-    assert not [w for w in caught if "fmoe2 experts backend" in str(w.message)], [str(w.message) for w in caught]
-    assert tokens.shape == (3, 14) and len(calls) >= 2 * len(modules)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert tokens.shape == (3, 14)
+    assert len(calls) == 4 * len(modules) and len(into_fmoe2) == len(calls), (len(calls), len(into_fmoe2))
     with torch.no_grad():  # (as the calls ran: generate runs without gradients)
         _check_calls(calls)
 
@@ -122,19 +126,20 @@ def _check_calls(calls):
         scales = dict(w1_scale=module.gate_up_proj_scale_inv, w2_scale=module.down_proj_scale_inv, block_shape=BLOCK)
         same = fmoe2.fused_moe_reference(hidden, module.gate_up_proj, module.down_proj, weights, ids, **scales)
         assert out.dtype == hidden.dtype and rel_error(out, same) <= SAME_QUANT_TOL, rel_error(out, same)
-        w1 = dequantize_weights(module.gate_up_proj, *weight_scale_view("s", scales["w1_scale"], E, two_i, H, BLOCK)[:3])
-        w2 = dequantize_weights(module.down_proj, *weight_scale_view("s", scales["w2_scale"], E, H, two_i // 2,
-                                                                     BLOCK)[:3])
+        w1 = dequantize_weights(module.gate_up_proj,
+                                *weight_scale_view("s", scales["w1_scale"], E, two_i, H, BLOCK)[:3])
+        w2 = dequantize_weights(module.down_proj,
+                                *weight_scale_view("s", scales["w2_scale"], E, H, two_i // 2, BLOCK)[:3])
         dequantized = fmoe2.fused_moe_reference(hidden.float(), w1, w2, weights, ids)
         assert rel_error(out, dequantized) <= DEQUANTIZED_TOL, rel_error(out, dequantized)
 
 
-def test_a_bf16_checkpoint_quantized_on_load_runs_its_fp8_experts_on_fmoe2(checkpoints):
+def test_a_bf16_checkpoint_quantized_on_load_runs_its_fp8_experts_on_fmoe2(checkpoints, monkeypatch):
     bf16, _, _ = checkpoints
-    _check_experts_calls(_load(bf16, quantize=True))
+    _check_experts_calls(_load(bf16, quantize=True), monkeypatch)
 
 
-def test_an_fp8_checkpoint_loads_its_experts_as_stored_and_runs_them_on_fmoe2(checkpoints):
+def test_an_fp8_checkpoint_loads_its_experts_as_stored_and_runs_them_on_fmoe2(checkpoints, monkeypatch):
     _, fp8, stored = checkpoints
     model = _load(fp8, quantize=False)
     for layer, module in enumerate(experts_modules(model)):
@@ -146,4 +151,4 @@ def test_an_fp8_checkpoint_loads_its_experts_as_stored_and_runs_them_on_fmoe2(ch
                 got = getattr(module, name)
                 assert got.dtype == expected.dtype and got.shape == expected.shape, (name, got.shape, expected.shape)
                 assert torch.equal(got.cpu().view(torch.uint8), expected.view(torch.uint8)), name
-    _check_experts_calls(model)
+    _check_experts_calls(model, monkeypatch)

@@ -105,9 +105,13 @@ def build(model_type: str, dtype=torch.float32, impl: str = "eager", device="cpu
     return model.to(device=device, dtype=dtype).eval()
 
 
-if __name__ == "__main__":  # python tests/integrations/tiny_models.py MODEL_TYPE DIR [bf16|fp32]: save one (e.g. for
-    import sys  # fmoe2.bench.expert_parallel's two-GPU run, docs/transformers.md)
+if __name__ == "__main__":
+    # python tests/integrations/tiny_models.py MODEL_TYPE DIR [bf16|fp32]: saves one (fmoe2.bench.expert_parallel's
+    # two-GPU run loads it: misc/bench/expert_parallel)
+    import sys
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    build(sys.argv[1], dtype=dtypes[sys.argv[3] if len(sys.argv) > 3 else "bf16"]).save_pretrained(sys.argv[2])
+    if len(sys.argv) not in (3, 4) or (len(sys.argv) == 4 and sys.argv[3] not in dtypes):
+        sys.exit("usage: python tests/integrations/tiny_models.py MODEL_TYPE DIR [bf16|fp32]")
+    build(sys.argv[1], dtype=dtypes[sys.argv[3] if len(sys.argv) == 4 else "bf16"]).save_pretrained(sys.argv[2])
     print(f"saved a tiny {sys.argv[1]} to {sys.argv[2]}")
