@@ -154,8 +154,8 @@ def agreement(a: dict, b: dict) -> float:
 
 
 def step_time_table(runs: dict) -> str:
-    """Markdown: decode ms per step of each run (``{file name: decode result}``, columns) at each batch size (rows),
-    then each run's backend, ranks and provenance."""
+    """Markdown: decode ms per step of each run (``{name: decode result}``, columns; the ``table`` command names them
+    by their paths as given) at each batch size (rows), then each run's backend, ranks and provenance."""
     batches = sorted({p["batch"] for r in runs.values() for p in r["points"] if "decode_step_ms" in p})
     names = list(runs)
     label = {n: f"{runs[n]['backend']}, {runs[n]['world_size']} rank{'s' if runs[n]['world_size'] > 1 else ''}"
