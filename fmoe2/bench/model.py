@@ -62,7 +62,8 @@ def build_model(name: str, layers: int):
     return model.eval()
 
 
-def _timed(fn) -> float:
+def timed_synchronized(fn):
+    """(seconds, result) of ``fn()`` from an idle GPU to an idle GPU: a whole ``generate``, host work included."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     result = fn()
@@ -78,9 +79,9 @@ def run_point(model, backend: str, batch: int, prompt: int, new_tokens: int, rep
     kwargs = dict(do_sample=False, cache_implementation="static") if compiled else dict(do_sample=False)
     with torch.no_grad():
         model.generate(input_ids, max_new_tokens=new_tokens, **kwargs)  # warm-up (compiles)
-        prefill = statistics.median(_timed(lambda: model.generate(input_ids, max_new_tokens=1, **kwargs))[0]
+        prefill = statistics.median(timed_synchronized(lambda: model.generate(input_ids, max_new_tokens=1, **kwargs))[0]
                                     for _ in range(repeats))
-        runs = [_timed(lambda: model.generate(input_ids, max_new_tokens=new_tokens, **kwargs))
+        runs = [timed_synchronized(lambda: model.generate(input_ids, max_new_tokens=new_tokens, **kwargs))
                 for _ in range(repeats)]
     total = statistics.median(t for t, _ in runs)
     tokens = runs[-1][1][:, prompt:]

@@ -5,14 +5,15 @@ A transformers model built from a real config's layer sizes (``--model``, defaul
 its experts (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])``,
 rank ``--rank``, made by PEFT itself). Greedy decode tokens/s (as ``python -m fmoe2.bench.model``
 measures it: ``generate`` of ``--new-tokens`` tokens after a ``--prompt``-token prompt, the prefill
-subtracted, median of ``--repeats`` runs) of:
+subtracted, medians of ``--repeats`` rounds that time every variant once in turn: eager decode is host-bound and
+drifts over a run by more than the differences measured) of:
 
 - ``base``: the model on the fmoe2 experts backend, no adapter;
 - ``one_adapter``: one adapter for every sequence through fmoe2 (:mod:`fmoe2.integrations.peft`);
 - ``mixed``: ``--adapters`` adapters mixed per sequence through fmoe2 (sequence ``b`` gets adapter
   ``b % adapters``);
 - ``peft``: one adapter through PEFT's own path (``PeftModel``: ``W + dW`` rebuilt on every forward) on
-  transformers' ``--peft-backend`` experts backend.
+  transformers' ``--peft-backend`` experts backend, on a second copy of the model (same weights).
 
 Writes ``<out-dir>/peft/<device>.json`` and ``.md`` with the step-time ratios mixed / base and peft /
 one_adapter.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -29,7 +31,7 @@ import torch
 from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.lora import MAX_LORA_RANK, MAX_LORAS
 
-from .model import MODELS, build_model, run_point
+from .model import MODELS, build_model, timed_synchronized
 from .provenance import provenance_line, rewrite_report, run_record
 
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -80,6 +82,46 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _runner(model, selection, loaded):
+    """A function generating with ``model`` (tokens ``[batch, prompt]``, ``new_tokens``) under ``selection``
+    (fmoe2 adapters per sequence; None: no adapter, or PEFT's own active adapter)."""
+    def run(input_ids, new_tokens):
+        with torch.no_grad():
+            if selection is None:
+                return model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False)
+            with loaded.use(selection):
+                return model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False)
+    return run
+
+
+def _interleaved(runners: dict, input_ids, new_tokens: int, repeats: int) -> dict:
+    """variant -> row of prefill s, decode tokens/s and peak bytes. Each round times every variant once in
+    turn (a prefill: one new token; then the whole generate), so that drift of the host or the GPU over the
+    run reaches every variant alike; medians over ``repeats`` rounds, after one warm-up generate each."""
+    prefill = {v: [] for v in runners}
+    total = {v: [] for v in runners}
+    peak = {}
+    rows = {}
+    for variant, run in runners.items():
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            run(input_ids, new_tokens)  # warm-up (compiles)
+            peak[variant] = torch.cuda.max_memory_allocated()
+        except Exception as error:  # noqa: BLE001 - a variant that cannot run a point: recorded, not fatal
+            rows[variant] = dict(error=f"{type(error).__name__}: {str(error)[:300]}")
+    live = [v for v in runners if v not in rows]
+    for _ in range(repeats):
+        for variant in live:
+            prefill[variant].append(timed_synchronized(lambda: runners[variant](input_ids, 1))[0])
+            total[variant].append(timed_synchronized(lambda: runners[variant](input_ids, new_tokens))[0])
+    batch = input_ids.shape[0]
+    for variant in live:
+        first, whole = statistics.median(prefill[variant]), statistics.median(total[variant])
+        rows[variant] = dict(prefill_s=first, decode_tokens_per_s=batch * (new_tokens - 1) / max(whole - first, 1e-9),
+                             peak_bytes=peak[variant])
+    return {v: rows[v] for v in runners}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fmoe2.bench.peft_decode", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -90,8 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=16, help="rank of every adapter")
     p.add_argument("--peft-backend", default="grouped_mm", help="transformers experts backend under PeftModel")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per batch size (median)")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="results go to <out-dir>/peft/")
     p.add_argument("--report", default=None, metavar="JSON", help="only rewrite the markdown of a result file")
     a = p.parse_args(argv)
@@ -112,33 +154,25 @@ def main(argv=None) -> int:
     path = os.path.join(a.out_dir, "peft", f"{device_config_name()}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
 
-    def record(variant, batch, run):
-        try:
-            prefill, rate, _, peak = run()
-            row = dict(variant=variant, batch=batch, prefill_s=prefill, decode_tokens_per_s=rate, peak_bytes=peak)
-        except Exception as error:  # noqa: BLE001 - a variant that cannot run a point: recorded, not fatal
-            row = dict(variant=variant, batch=batch, error=f"{type(error).__name__}: {str(error)[:300]}")
-        print(json.dumps(row), flush=True)
-        result["rows"].append(row)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-
-    def point(model, backend, batch):
-        return run_point(model, backend, batch, a.prompt, a.new_tokens, a.repeats, False,
-                         torch.Generator(device="cuda").manual_seed(batch))
-
     peft_model, pairs = make_adapters(build_model(a.model, a.layers), a.adapters, a.rank)
-    for batch in batches:
-        record("peft", batch, lambda: point(peft_model, a.peft_backend, batch))
-    model = peft_model.unload()  # the base model again (PEFT's wrappers removed, nothing merged)
+    peft_model.get_base_model().set_experts_implementation(a.peft_backend)
+    model = build_model(a.model, a.layers)  # the same weights (same seed), served by fmoe2
     model.set_experts_implementation("fmoe2")  # (use() checks that the experts run on fmoe2)
     loaded = load_adapters(model, pairs)
+    names = loaded.names
     for batch in batches:
-        record("base", batch, lambda: point(model, "fmoe2", batch))
-        with loaded.use([loaded.names[0]] * batch):
-            record("one_adapter", batch, lambda: point(model, "fmoe2", batch))
-        with loaded.use([loaded.names[b % len(loaded.names)] for b in range(batch)]):
-            record("mixed", batch, lambda: point(model, "fmoe2", batch))
+        selections = {"base": None, "one_adapter": [names[0]] * batch,
+                      "mixed": [names[b % len(names)] for b in range(batch)]}
+        runners = {variant: _runner(model, selections[variant], loaded) for variant in selections}
+        runners["peft"] = _runner(peft_model, None, None)
+        input_ids = torch.randint(0, model.config.vocab_size, (batch, a.prompt), device="cuda",
+                                  generator=torch.Generator(device="cuda").manual_seed(batch))
+        for variant, row in _interleaved(runners, input_ids, a.new_tokens, a.repeats).items():
+            row = dict(variant=variant, batch=batch, **row)
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
     print(rewrite_report(path, markdown, result))
     return 0
 

@@ -1,12 +1,19 @@
 """PEFT LoRA adapters of MoE experts served by fmoe2 (fmoe2/integrations/peft.py), against PEFT itself.
 
-Tiny random transformers models (tiny_models.py); three adapters made by PEFT (``target_parameters``,
+Tiny random transformers models (tiny_models.py); four adapters made by PEFT (``target_parameters``,
 random factors: ``init_lora_weights=False``), ranks 8 and 16, one with rsLoRA, one of down_proj only and
 one that also targets attention projections (kept as PEFT's layers),
-saved by PEFT and loaded from the folder (one from its state dict). PEFT's own forward of each adapter
-(the experts computed eagerly on ``W + dW``) is the reference. CPU: fp32 under the interpreter; GPU: bf16.
+saved by PEFT and loaded from the folder (one from its state dict). The reference of each adapter is PEFT's
+own forward of the float32 model (the experts computed eagerly on ``W + dW``).
+
+CPU: the model in float32 under the interpreter, within 1e-4 of it. GPU: the model in bf16, each sequence
+within 5e-2 of the float32 forward, or within 1.5x of the error of PEFT's own bf16 forward on transformers'
+``eager`` or ``grouped_mm`` experts where that is larger: on the GPU, tiny Mixtral's last sequence under
+``attn_r8`` routes one token to another expert in bf16 on ``grouped_mm`` as in fmoe2 (0.32 from float32 in
+both), which compares rounding luck, not adapters.
 """
 import importlib.util
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,6 +29,9 @@ from tiny_models import available, build  # noqa: E402
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 # fp32: summation order only. bf16: PEFT rounds W + dW to bf16, fmoe2 adds the delta in its kernels.
 TOL = 3e-2 if DTYPE == torch.bfloat16 else 1e-4
+# Against the float32 forward: bf16 logits of these models are 1-3.5e-2 from it per sequence in every backend.
+FLOAT32_TOL = 5e-2 if DTYPE == torch.bfloat16 else 1e-4
+BF16_SLACK = 1.5  # x the error of PEFT's own bf16 forward, where a backend's rounding flips a token's experts
 BOTH = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {  # name -> LoraConfig arguments
     "r8": dict(r=8, lora_alpha=16, target_parameters=BOTH),
@@ -41,10 +51,38 @@ def _logits(model, input_ids=INPUT_IDS):
         return model(input_ids.to(DEVICE)).logits.float()
 
 
+class Reference(NamedTuple):
+    """The float32 forward's logits ``[B, S, V]`` and the relative error allowed per sequence (module docstring)."""
+    logits: torch.Tensor
+    row_tol: list
+
+    def check(self, ours, rows=None, context=()):
+        for row in range(self.logits.shape[0]) if rows is None else rows:
+            error = rel_error(ours[row], self.logits[row])
+            assert error <= self.row_tol[row], (*context, row, error, self.row_tol[row])
+
+
+def _reference(model) -> Reference:
+    """``model`` (a float32 transformers model or PeftModel on DEVICE): its logits; on the GPU also the
+    allowance of PEFT's / transformers' own bf16 forwards (``model`` is cast to bf16 for them)."""
+    truth = _logits(model)
+    rows = truth.shape[0]
+    if DTYPE == torch.float32:
+        return Reference(truth, [FLOAT32_TOL] * rows)
+    low = model.to(DTYPE)
+    inner = low.get_base_model() if hasattr(low, "get_base_model") else low
+    worst = [0.0] * rows
+    for implementation in ("eager", "grouped_mm"):
+        inner.set_experts_implementation(implementation)
+        theirs = _logits(low)
+        worst = [max(w, rel_error(theirs[r], truth[r])) for r, w in enumerate(worst)]
+    return Reference(truth, [max(FLOAT32_TOL, BF16_SLACK * w) for w in worst])
+
+
 def _peft_adapter(model_type, name, seed):
     from peft import LoraConfig, get_peft_model
 
-    base = build(model_type, dtype=DTYPE, device=DEVICE)
+    base = build(model_type, dtype=torch.float32, device=DEVICE)
     torch.manual_seed(seed)
     config = LoraConfig(**{"target_modules": [], **ADAPTERS[name]}, init_lora_weights=False)
     return get_peft_model(base, config).eval()
@@ -52,8 +90,8 @@ def _peft_adapter(model_type, name, seed):
 
 @pytest.fixture(scope="module", params=MODEL_TYPES)
 def adapters(request, tmp_path_factory):
-    """PEFT's adapters of one tiny model: name -> (saved folder, state dict and config, PEFT's logits), and the
-    base model's logits."""
+    """PEFT's adapters of one tiny model (float32 factors): name -> (saved folder, state dict and config, the
+    Reference of PEFT's forward), and the base model's Reference."""
     from peft import get_peft_model_state_dict
 
     model_type = request.param
@@ -63,8 +101,8 @@ def adapters(request, tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"{model_type}_{name}")
         peft_model.save_pretrained(folder)
         pair = (get_peft_model_state_dict(peft_model), peft_model.peft_config["default"])
-        made[name] = (folder, pair, _logits(peft_model))
-    return model_type, made, _logits(build(model_type, dtype=DTYPE, device=DEVICE))
+        made[name] = (folder, pair, _reference(peft_model))
+    return model_type, made, _reference(build(model_type, dtype=torch.float32, device=DEVICE))
 
 
 def _fmoe2_model(model_type):
@@ -84,10 +122,10 @@ def test_each_adapter_matches_peft(adapters):
     loaded = _load(model, made)
     assert loaded.names == list(ADAPTERS)
     for name, (_, _, reference) in made.items():
-        assert rel_error(reference, base) > 1e-2, name  # the adapter changes the logits
+        assert rel_error(reference.logits, base.logits) > 0.15, name  # the adapter changes the logits
         with loaded.use([name] * INPUT_IDS.shape[0]):
             ours = _logits(model)
-        assert rel_error(ours, reference) <= TOL, (model_type, name, rel_error(ours, reference))
+        reference.check(ours, context=(model_type, name))
 
 
 def test_mixed_batch_equals_each_adapter_row_by_row(adapters):
@@ -100,13 +138,13 @@ def test_mixed_batch_equals_each_adapter_row_by_row(adapters):
     with loaded.use(mixed):
         ours = _logits(model)
     for row, name in enumerate(mixed):
-        reference = base if name is None else made[name][2]
-        assert rel_error(ours[row], reference[row]) <= TOL, (model_type, row, name)
+        (base if name is None else made[name][2]).check(ours, rows=[row], context=(model_type, name))
     with loaded.use([-1, 0, -1, 2]):  # indices: -1 the base model
         by_index = _logits(model)
-    assert rel_error(by_index[1], made["r8"][2][1]) <= TOL and rel_error(by_index[3], made["down_r8"][2][3]) <= TOL
+    made["r8"][2].check(by_index, rows=[1], context=(model_type, 0))
+    made["down_r8"][2].check(by_index, rows=[3], context=(model_type, 2))
     assert torch.equal(_logits(model), plain)  # after use(): the base model again, PEFT's layers included
-    assert rel_error(by_index[0], base[0]) <= TOL and rel_error(by_index[2], base[2]) <= TOL
+    base.check(by_index, rows=[0, 2], context=(model_type, -1))
 
 
 def test_generate_mixes_adapters_per_sequence(adapters):
@@ -237,26 +275,24 @@ def test_saved_keys_are_read_as_peft_nests_them(adapters):
 BENCH_IDS = torch.tensor([[3, 17, 99, 5], [7, 7, 64, 1], [11, 90, 33, 4]])
 
 
-# The PEFT decode benchmark (fmoe2/bench/peft_decode.py) without a GPU: its adapters made by PEFT, PEFT's
-# wrappers removed and the adapters loaded into fmoe2; and its report.
+# The PEFT decode benchmark (fmoe2/bench/peft_decode.py) without a GPU: its adapters made by PEFT on one copy
+# of the model and loaded into fmoe2 on a second copy with the same weights, as its main() does; and its report.
 def test_the_benchmarks_adapters_run_through_fmoe2_as_through_peft():
     from fmoe2.bench.peft_decode import make_adapters
 
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    peft_model, pairs = make_adapters(build("qwen3_moe", dtype=dtype, device=DEVICE), 3, 4)
+    peft_model, pairs = make_adapters(build("qwen3_moe", dtype=DTYPE, device=DEVICE), 3, 4)
     with torch.no_grad():
         references = {}
         for name in pairs:
             peft_model.set_adapter(name)
             references[name] = peft_model(BENCH_IDS.to(DEVICE)).logits.float()
-    model = peft_model.unload()
-    model.set_experts_implementation("fmoe2")
+    model = _fmoe2_model("qwen3_moe")
     loaded = load_adapters(model, pairs)
     names = loaded.names
     with torch.no_grad(), loaded.use([names[b % len(names)] for b in range(3)]):  # the "mixed" selection
         mixed = model(BENCH_IDS.to(DEVICE)).logits.float()
     for b in range(3):
-        assert rel_error(mixed[b], references[names[b]][b]) <= (3e-2 if dtype == torch.bfloat16 else 1e-4)
+        assert rel_error(mixed[b], references[names[b]][b]) <= TOL
 
 
 def test_the_benchmarks_report_has_each_variant_and_both_ratios():
@@ -305,7 +341,7 @@ def test_factors_follow_the_model_to_another_dtype(adapters):
     model.to(torch.float16)
     with loaded.use(["r8"] * INPUT_IDS.shape[0]):
         ours = _logits(model)
-    assert rel_error(ours, made["r8"][2]) <= 1e-2
+    assert rel_error(ours, made["r8"][2].logits) <= 1e-2
 
 
 @pytest.mark.skipif(not available("qwen2_moe"), reason="qwen2_moe is not in this transformers")
