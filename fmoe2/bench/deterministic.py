@@ -9,7 +9,8 @@ top-k routing, in one run:
   accumulator, ``accumulate_fp32=True``; the two-stage path with the picked tiling), of deterministic
   mode (``deterministic=True``; with ``--candidates`` also the fixed tiling it takes where tilings were not
   measured alike, and one other), and of the vLLM-style baseline with the config its search picked for this
-  device and point in ``misc/bench/<device>__<shape>.json`` (the first candidate where there is none);
+  device and point in ``<device>__<shape>.json`` of ``--out-dir``, else of the checkout's ``misc/bench`` (the
+  first candidate where neither has one: marked in the report, and a warning);
 * relative L2 errors against the float32 reference of each;
 * reproducibility: the largest difference between 5 eager calls and a CUDA-graph replay of each mode,
   and for deterministic mode whether the first 8 tokens' rows computed alone (M=1 and M=8, other
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 
 import torch
@@ -49,16 +51,25 @@ def _time(fn, M: int) -> float:
     return time_in_graph(fn, replays=50 if M < 1024 else 15)
 
 
+# The main benchmark's committed results (a checkout's misc/bench): where --out-dir has none of its own.
+COMMITTED_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                 "misc", "bench")
+
+
 def searched_baseline(out_dir: str, name: str, M: int, E: int, topk: int):
     """The baseline's configs for (shape, M) from the main benchmark's result file on this device (its
-    search's pick), else its first candidate."""
-    path = os.path.join(out_dir, f"{device_config_name()}__{name}.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            for row in json.load(f)["results"]:
-                if row["M"] == M:
-                    cfg = GroupedGemmConfig(**row["baseline_config"])
-                    return (cfg, cfg), "searched"
+    search's pick) in ``out_dir``, else in :data:`COMMITTED_RESULTS`, else its first candidate, with a warning:
+    an unsearched baseline can be several times slower (Mixtral M=1024 on an H200: 4.2 ms against 1.9)."""
+    for folder in dict.fromkeys((out_dir, COMMITTED_RESULTS)):
+        path = os.path.join(folder, f"{device_config_name()}__{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                for row in json.load(f)["results"]:
+                    if row["M"] == M:
+                        cfg = GroupedGemmConfig(**row["baseline_config"])
+                        return (cfg, cfg), "searched"
+    print(f"warning: no searched vLLM-style config for {name} M={M} on this device (run python -m fmoe2.bench "
+          f"--shapes {name} first): its first candidate is timed", file=sys.stderr, flush=True)
     return baseline_candidates(M, E, topk)[0], "first candidate"
 
 
@@ -145,7 +156,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Deterministic mode and the default's numerics: {result['device']}", "",
              provenance_line(result), "",
              "Microseconds per forward in CUDA graphs (bf16, prepared weights). Default: `path=\"auto\"` with the tuned "
-             "configs; deterministic: `deterministic=True`; vLLM-style: the baseline with its searched config. Errors: "
+             "configs; deterministic: `deterministic=True`; vLLM-style: the baseline with the config its search picked on "
+             "this device in the main benchmark (`*`: none was found, its first candidate). Errors: "
              "relative L2 against the float32 reference. Spread: largest difference between 5 eager calls and a "
              "CUDA-graph replay. Invariant: the first token's row computed alone, and the first 8 tokens' rows computed "
              "as a batch of 8 (below M=8 with random other tokens), are bitwise those of the full batch (the GPU "
@@ -157,7 +169,8 @@ def markdown(result: dict) -> str:
         t, e, s = r["us"], r["rel_err"], r["max_diff_repeat_and_replay"]
         lines.append(
             f"| {r['shape']} | {r['M']} | {t['default']:.1f} | {r['default_path']} | {len(r['default_launches'])} | "
-            f"{t['deterministic']:.1f} | {r['deterministic_over_default']:.3f}x | {t['vllm_style']:.1f} | "
+            f"{t['deterministic']:.1f} | {r['deterministic_over_default']:.3f}x | {t['vllm_style']:.1f}"
+            f"{'' if r.get('baseline_config_source', 'searched') == 'searched' else '*'} | "
             f"{r['vllm_style_over_deterministic']:.2f}x | {e['default']:.2e} | {e['deterministic']:.2e} | "
             f"{e['vllm_style']:.2e} | {s['default']:.1e} | {s['deterministic']:.1e} | "
             f"{'yes' if r['batch_invariant'] else 'NO'} |")

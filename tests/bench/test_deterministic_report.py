@@ -17,3 +17,26 @@ def test_report_has_every_column_and_flags_a_row_that_is_not_batch_invariant():
     assert "| s | 16 | fused | 9.00e-03 | 2.25 | 2.00e-03 | 0.50 | 1.053x | 4.00e-03 | 1.00 | 1.158x | 3.00e-03 | " \
            "0.75 | 1.263x | 4.00e-03 |" in md
     assert "| s | 16 | 12.0 | 14.0 |" in md
+    unsearched = dict(row, baseline_config_source="first candidate")
+    assert "| 1.200x | 13.0* | 1.08x |" in markdown(dict(device="GPU", date="d", torch="t", triton="tr", command="c",
+                                                          results=[unsearched]))
+
+
+def test_the_baseline_config_comes_from_the_main_benchmarks_results_in_out_dir_or_the_checkout(tmp_path, monkeypatch,
+                                                                                                capsys):
+    import json
+
+    import fmoe2.bench.deterministic as bench
+    from fmoe2.bench.search import baseline_candidates
+
+    monkeypatch.setattr(bench, "device_config_name", lambda: "GPU")
+    picked = dict(baseline_candidates(16, 8, 2)[-1][0].__dict__)
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    (committed / "GPU__s.json").write_text(json.dumps({"results": [dict(M=16, baseline_config=picked)]}))
+    monkeypatch.setattr(bench, "COMMITTED_RESULTS", str(committed))
+    (cfg, _), source = bench.searched_baseline(str(tmp_path / "elsewhere"), "s", 16, 8, 2)  # none in --out-dir
+    assert source == "searched" and cfg.__dict__ == picked
+    first, source = bench.searched_baseline(str(tmp_path / "elsewhere"), "s", 1, 8, 2)  # no row for M=1
+    assert source == "first candidate" and first == baseline_candidates(1, 8, 2)[0]
+    assert "no searched vLLM-style config for s M=1" in capsys.readouterr().err
