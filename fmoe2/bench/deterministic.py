@@ -156,8 +156,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Deterministic mode and the default's numerics: {result['device']}", "",
              provenance_line(result), "",
              "Microseconds per forward in CUDA graphs (bf16, prepared weights). Default: `path=\"auto\"` with the tuned "
-             "configs; deterministic: `deterministic=True`; vLLM-style: the baseline with the config its search picked on "
-             "this device in the main benchmark (`*`: none was found, its first candidate). Errors: "
+             "configs; deterministic: `deterministic=True`; vLLM-style: the baseline with the config its search "
+             "picked on this device in the main benchmark (`*`: none was found, its first candidate). Errors: "
              "relative L2 against the float32 reference. Spread: largest difference between 5 eager calls and a "
              "CUDA-graph replay. Invariant: the first token's row computed alone, and the first 8 tokens' rows computed "
              "as a batch of 8 (below M=8 with random other tokens), are bitwise those of the full batch (the GPU "
