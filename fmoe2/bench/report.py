@@ -156,7 +156,8 @@ def write_report(out_dir: str, device: str, plot_dir: str = None) -> str:
 
 def write_tuned_configs(out_dir: str, device: str, config_dir: str):
     """fmoe2's best config per batch size, per shape, as the tuned files :func:`fmoe2.get_config` reads (a
-    file's ``"deterministic"`` entry, from ``python -m fmoe2.tune --deterministic``, is kept)."""
+    file's ``"deterministic"`` and ``"fp8"`` entries, from ``python -m fmoe2.tune --deterministic`` and
+    ``--dtype fp8``, are kept)."""
     import torch
 
     from ..gemm.config import shape_file_name
@@ -170,11 +171,10 @@ def write_tuned_configs(out_dir: str, device: str, config_dir: str):
         path = os.path.join(config_dir, device, shape_file_name(r0["E"], r0["H"], r0["I"], r0["topk"], torch.bfloat16))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tuned = {str(r["M"]): r["fmoe2_config"] for r in rs}
-        if os.path.exists(path):
+        if os.path.exists(path):  # the entries other tuners wrote stay (fmoe2.tune --deterministic, --dtype fp8)
             with open(path) as f:
-                kept = json.load(f).get("deterministic")
-            if kept:
-                tuned["deterministic"] = kept
+                old = json.load(f)
+            tuned.update({section: old[section] for section in ("deterministic", "fp8") if old.get(section)})
         with open(path, "w") as f:
             json.dump(tuned, f, indent=1)
             f.write("\n")

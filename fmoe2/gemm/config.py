@@ -363,7 +363,8 @@ def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAU
     pointer loads (``tma`` off). The widened accumulator keeps to ``MAX_FUSED_ACC`` elements and
     ``MAX_ACC_REGS`` registers per thread, the down tile to ``MAX_DOWN_TILE``; stages, then BLOCK_M,
     come down until the gate/up loop (fp8 weight tile, x tile of ``x_bytes`` per element) fits
-    ``shared_memory``. Not tuned yet: the 16-bit pick's other choices are kept.
+    ``shared_memory``. The config's other choices are kept (the 16-bit pick's, or a tuned fp8 entry's:
+    :func:`tuned_fp8_config`).
 
     Two-stage configs get stage-1 slices of one group too (stage 1 then stores y quantized, see
     ``stage1_stores_fp8``), unless ``grid`` = ``(M, E, I, topk, num_sms)`` says that grid would fit
@@ -552,6 +553,20 @@ def deterministic_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch
     entry = rules.get(arch or _arch_key(device) or "", None) or rules[backend]
     cfg = replace(FusedMoEConfig.from_dict(entry), path="two_stage", S2_SPLIT_K=1)
     return fit_config(cfg, H, I, topk, dtype, "two_stage", backend, shared_memory=shared_memory)
+
+
+def tuned_fp8_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, *,
+                     device: Optional[torch.device] = None, config_dir: str = CONFIG_DIR) -> Optional[FusedMoEConfig]:
+    """The config ``python -m fmoe2.tune --dtype fp8`` measured fastest with fp8 weights at the tuned batch
+    size nearest ``M``: the ``"fp8"`` entry of this GPU's tuned file of the shape (named by the activations'
+    ``dtype``), stored as it ran (fitted to fp8 at its batch size); None where there is none, and then the
+    16-bit pick is fitted to fp8 (:func:`fit_fp8_config`). Tuned with block scales; it serves every scheme."""
+    tuned_file = _load_json(os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
+    entries = (tuned_file or {}).get("fp8") or {}
+    if not entries:
+        return None
+    nearest = min(entries, key=lambda m: (abs(int(m) - M), int(m)))
+    return FusedMoEConfig.from_dict(entries[nearest])
 
 
 def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:

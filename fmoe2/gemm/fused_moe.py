@@ -24,7 +24,7 @@ from ..target import Target, target_of
 from ..fp8 import FP8_DTYPES
 from .decode import one_launch_allowed
 from .config import (PATHS, FusedMoEConfig, deterministic_config, fit_config, fit_fp8_config, fit_lora_config_to_problem,
-                     fp8_prefers_two_stage, get_config)
+                     fp8_prefers_two_stage, get_config, tuned_fp8_config)
 from .launches import MoEProblem
 from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
@@ -407,11 +407,17 @@ def clear_plans() -> None:
 
 
 def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
-    """The config a forward runs: ``get_config``'s pick, or the caller's fitted like one (with fp8
-    weights then :func:`fit_fp8_config`, and a pick's path by :func:`fp8_prefers_two_stage`)."""
+    """The config a forward runs: ``get_config``'s pick, or the caller's fitted like one. With fp8 weights:
+    the tuned fp8 entry (:func:`~fmoe2.gemm.config.tuned_fp8_config`) where there is one, else the 16-bit pick
+    with its path by :func:`fp8_prefers_two_stage`; then :func:`fit_fp8_config`."""
     if problem.deterministic:
         return deterministic_config_of(problem, config, target)
     picked = config is None
+    if picked and problem.fp8:
+        tuned = tuned_fp8_config(problem.num_tokens, problem.num_experts, problem.hidden_size,
+                                 problem.intermediate_size, problem.topk, problem.x.dtype, device=problem.x.device)
+        if tuned is not None:  # measured with fp8 weights: its path too, unless the caller forces one
+            config, picked = tuned, False
     if config is None:
         config = get_config(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
                             problem.topk, problem.x.dtype, device=problem.x.device, path=path,

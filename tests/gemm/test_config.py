@@ -301,11 +301,17 @@ def test_plain_loops_fit_shared_memory_for_the_input_dtype():
             tuned_file = json.load(f)
             entries = [e for m, e in tuned_file.items() if m.isdigit()]
             entries += list(tuned_file.get("deterministic", {}).values())  # deterministic mode's own
-            assert len(entries) == len(tuned_file) - ("deterministic" in tuned_file) + len(
-                tuned_file.get("deterministic", {})), path
+            fp8 = list(tuned_file.get("fp8", {}).values())  # fp8 weights' own (fmoe2.tune --dtype fp8)
+            sections = ("deterministic" in tuned_file) + ("fp8" in tuned_file)
+            assert len(entries) + len(fp8) == len(tuned_file) - sections + len(
+                tuned_file.get("deterministic", {})) + len(fp8), path
             for entry in entries:
                 cfg = FusedMoEConfig.from_dict(entry)
                 assert fit_shared_memory(cfg, 2) == cfg, (path, entry)
+            for entry in fp8:  # stored as they ran: K steps of one activation group, pointer loads
+                cfg = FusedMoEConfig.from_dict(entry)
+                assert (cfg.BLOCK_K, cfg.tma) == (128, False) and cfg.path in ("fused", "two_stage"), (path, entry)
+                assert cfg.path == "fused" or cfg.S2_BLOCK_K == 128, (path, entry)
     # Defaults: unchanged for bf16; for fp32 every loop of every pick fits.
     cpu = torch.device("cpu")
     for E, H, I, topk in fmoe2.shapes.SHAPES.values():

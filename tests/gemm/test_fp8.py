@@ -342,3 +342,41 @@ def test_fp8_block_shape_is_checked(block_shape, match):
 
     with pytest.raises(ValueError, match=match):
         check_block_shape(block_shape)
+
+
+@needs_fp8
+def test_tuned_fp8_entries_are_read_by_nearest_batch_and_run_with_their_path(tmp_path, monkeypatch):
+    # python -m fmoe2.tune --dtype fp8 writes the "fp8" entry of the shape's tuned file; fp8 forwards take the
+    # entry of the nearest batch size, its path included (a caller's path still forces one).
+    import importlib
+    import json
+
+    from fmoe2.gemm.config import FusedMoEConfig, device_config_name, shape_file_name, tuned_fp8_config
+
+    fused_moe_module = importlib.import_module("fmoe2.gemm.fused_moe")  # (the package exports the function)
+    E, H, I, topk = 6, 200, 136, 3
+    assert tuned_fp8_config(4, E, H, I, topk, DTYPE, device=DEVICE, config_dir=str(tmp_path / "none")) is None
+    two_stage = FusedMoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, BLOCK_H=128, path="two_stage", S2_BLOCK_N=64,
+                               S2_BLOCK_K=128)
+    fused = FusedMoEConfig(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, BLOCK_H=32, path="fused")
+    folder = tmp_path / device_config_name(torch.device(DEVICE))
+    folder.mkdir()
+    (folder / shape_file_name(E, H, I, topk, DTYPE)).write_text(json.dumps(
+        {"1": fused.to_dict(), "fp8": {"1": two_stage.to_dict(), "64": fused.to_dict()}}))
+    assert tuned_fp8_config(13, E, H, I, topk, DTYPE, device=DEVICE, config_dir=str(tmp_path)) == two_stage
+    assert tuned_fp8_config(40, E, H, I, topk, DTYPE, device=DEVICE, config_dir=str(tmp_path)) == fused
+    monkeypatch.setattr(fused_moe_module, "tuned_fp8_config",
+                        lambda *args, **kwargs: tuned_fp8_config(*args, **kwargs, config_dir=str(tmp_path)))
+    fused_moe_module.clear_plans()
+    try:
+        for M, path, expected in ((13, "auto", two_stage), (40, "auto", fused), (13, "fused", None)):
+            x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(M, E, H, I, topk, "block")
+            out = poisoned(M, H, DTYPE)
+            fused_moe(x, w1, w2, tw, ti, out=out, path=path, **scales)
+            _check(out, x, w1, w2, tw, ti, scales, unquantized)
+            ran = plan_of(x, w1, w2, tw, ti, out=out, path=path, **scales).config
+            assert ran.path == (expected.path if expected else path), (M, path, ran)
+            if expected is not None:  # its tiles, as fitted to fp8 (which keeps these)
+                assert (ran.BLOCK_M, ran.BLOCK_N, ran.BLOCK_H) == (expected.BLOCK_M, expected.BLOCK_N, expected.BLOCK_H)
+    finally:
+        fused_moe_module.clear_plans()
