@@ -13,9 +13,10 @@ shapes at M=1, bf16, prepared weights, in one run on the GPU:
 * at one token, the one-launch decode against the same plan's sort path, in turns (host time and one eager
   call: ``fmoe2/gemm/decode.py``), and the decode's kernel alone in a CUDA graph; the GPU time of one eager
   launch of an empty kernel from an idle GPU, which every eager call pays beyond its kernels;
-* the forward's GPU time three ways: one eager call timed with CUDA events from an idle GPU (what
+* the forward's GPU time four ways: one eager call timed with CUDA events from an idle GPU (what
   the host adds to one call's latency), back-to-back eager calls (events around 200 calls: what an
-  eager model loop pays per layer), and a CUDA-graph replay (10 calls per graph);
+  eager model loop pays per layer), a CUDA-graph replay (per call of 10 calls per graph), and one replay
+  of a one-call graph from an idle GPU, timed as the one eager call (the like-for-like graph latency);
 * a two-layer MoE module (router, top-k, fused_moe, residual) per step: eager, and under
   ``torch.compile`` (``fullgraph=True``; default mode, and ``mode="reduce-overhead"``).
 
@@ -45,7 +46,7 @@ from fmoe2.launch import LaunchSpec, bind_launches, raw_stream, set_launch_mode
 from fmoe2.shapes import SHAPES
 
 from .provenance import provenance_line, run_record, write_result
-from .timing import time_in_graph
+from .timing import capture_graph, time_in_graph
 
 # Back-to-back calls per round: few enough that the GPU's launch queue never fills (at Mixtral M=1 a forward
 # takes 240 us on the GPU against 30 on the host; 200 calls of 3 launches each made the host wait, 2026-11-25;
@@ -94,6 +95,14 @@ def eager_event_us(fn, calls: int = 1, rounds: int = 21) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(samples)
+
+
+def graph_one_replay_us(fn) -> float:
+    """GPU us of one replay of a CUDA graph holding one call of ``fn``, from an idle GPU, timed as one eager call is
+    (:func:`eager_event_us`): the graph's launch latency included, which the per-call time of a many-call graph
+    (:func:`~fmoe2.bench.timing.time_in_graph`) spreads over its calls."""
+    graph = capture_graph(fn, calls=1, warmup_calls=2)
+    return eager_event_us(graph.replay)
 
 
 def _empty_launch():
@@ -183,6 +192,7 @@ def forward_costs(name, shape, M, gen) -> dict:
             set_launch_mode("direct")
     forward = variants["fused_moe_auto"][0]
     row["forward_graph_us"] = time_in_graph(forward)
+    row["forward_graph_one_replay_us"] = graph_one_replay_us(forward)
     row["forward_eager_one_call_us"] = eager_event_us(forward)
     row["forward_eager_back_to_back_us"] = eager_event_us(forward, calls=EAGER_CALLS, rounds=5)
     plan = plan_of(x, prepared, None, tw, ti)
@@ -302,13 +312,17 @@ def markdown(result: dict) -> str:
                            "fused_moe_lora_two_stage")]
         lines.append(f"| {row['shape']} | {row['M']} | " + " | ".join(cells) + " |")
     lines += ["", "GPU time of one forward (`path=\"auto\"`), us: one eager call from an idle GPU (CUDA events), "
-              "eager calls back to back, CUDA-graph replay:", "",
-              "| shape | M | path | eager, one call | eager, back to back | graph | one call / graph |",
-              "|---|---|---|---|---|---|---|"]
+              "eager calls back to back, CUDA-graph replay (per call of a 10-call graph), and one replay of a "
+              "one-call graph from an idle GPU (timed as the eager call, its launch latency included):", "",
+              "| shape | M | path | eager, one call | eager, back to back | graph | one call / graph "
+              "| graph, one replay | one call / one replay |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for row in result["forward"]:
+        one_replay = row.get("forward_graph_one_replay_us")  # (results recorded before it have none)
         lines.append(f"| {row['shape']} | {row['M']} | {row['auto_path']} | {row['forward_eager_one_call_us']:.1f} | "
                      f"{row['forward_eager_back_to_back_us']:.1f} | {row['forward_graph_us']:.1f} | "
-                     f"{row['forward_eager_one_call_us'] / row['forward_graph_us']:.2f}x |")
+                     f"{row['forward_eager_one_call_us'] / row['forward_graph_us']:.2f}x | {_us(one_replay)} | "
+                     + (f"{row['forward_eager_one_call_us'] / one_replay:.2f}x |" if one_replay else "- |"))
     floor = result.get("empty_launch_one_call_us")
     if floor is not None:
         lines += ["", f"One eager call of an empty kernel's bound launch from an idle GPU took {floor:.1f} us (timed as "

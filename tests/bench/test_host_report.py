@@ -25,6 +25,7 @@ def test_the_report_has_a_decode_row_for_each_forward_with_one_launch():
     decode_table = text.split("The one-launch decode")[1]
     assert "mixtral-8x7b" not in decode_table
     assert "empty kernel" not in text  # (no recorded one-call floor: no sentence about it)
+    assert "| qwen3-30b-a3b | 1 | fused | 50.0 | 30.0 | 28.0 | 1.79x | - | - |" in text  # (no one-replay time)
     assert one_launch_decode_costs(None, lambda: None) == {}
     assert decode_kernel_costs(None, None, None, None, None, lambda: None) == {}
 
@@ -39,3 +40,5 @@ def test_the_decode_table_gives_the_kernel_alone_and_the_one_call_floor():
     text = markdown(result)
     assert "| deepseek-v2-lite | 1 | 27.0 | 15.0 | 55.0 | 42.0 | 1.50x | 30.3 |" in text
     assert "empty kernel's bound launch from an idle GPU took 18.5 us" in text
+    row["forward_graph_one_replay_us"] = 40.0
+    assert "| deepseek-v2-lite | 1 | fused | 50.0 | 30.0 | 28.0 | 1.79x | 40.0 | 1.25x |" in markdown(result)
