@@ -13,17 +13,16 @@ Writes ``<out-dir>/model/decode_interleaved_<device>[_batch<N>][_compiled].json`
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
-import time
-import traceback
 
 import torch
 
 from fmoe2.gemm.config import device_config_name
 
-from .model import MODELS, build_model
+from .model import MODELS, build_model, generate_times_in_turns
 from .provenance import provenance_line, run_record, write_result
 
 
@@ -78,31 +77,19 @@ def main(argv=None) -> int:
         gen = torch.Generator(device="cuda").manual_seed(1)
         ids = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt), device="cuda", generator=gen)
 
-        def seconds(tokens: int, model=model) -> float:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            model.generate(ids, max_new_tokens=tokens, **generate_options)
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
+        def generate(tokens: int, backend: str, model=model, ids=ids):
+            model.set_experts_implementation(backend)
+            with torch.no_grad():
+                return model.generate(ids, max_new_tokens=tokens, **generate_options)
 
-        errors = {}
-        with torch.no_grad():
-            for backend in backends:  # warm-up: compiles, plans, allocator
-                model.set_experts_implementation(backend)
-                try:
-                    seconds(a.new_tokens + 1)
-                except Exception as error:  # noqa: BLE001 - recorded (out of memory), not fatal
-                    errors[backend] = f"{type(error).__name__}: {str(error)[:200]}"
-                    print(f"{name} {backend} did not run:\n{traceback.format_exc()[-3000:]}", flush=True)
-                    torch.cuda.empty_cache()
-            running = [b for b in backends if b not in errors]
-            rates = {b: [] for b in running}
-            for round_ in range(a.rounds):
-                for backend in running:
-                    model.set_experts_implementation(backend)
-                    prefill = seconds(1)
-                    rates[backend].append(a.batch * a.new_tokens / (seconds(a.new_tokens + 1) - prefill))
-                print(name, round_, {b: round(v[-1], 1) for b, v in rates.items()}, flush=True)
+        times = generate_times_in_turns({b: functools.partial(generate, backend=b) for b in backends},
+                                        a.new_tokens + 1, a.rounds)
+        errors = {b: t["error"] for b, t in times.items() if "error" in t}
+        for backend, error in errors.items():
+            print(f"{name} {backend} did not run: {error}", flush=True)
+        rates = {b: [a.batch * a.new_tokens / (total - prefill) for prefill, total in zip(t["prefill_s"], t["total_s"])]
+                 for b, t in times.items() if "error" not in t}
+        print(name, {b: [round(v, 1) for v in r] for b, r in rates.items()}, flush=True)
         result["rows"].append({"model": name, "tokens_per_s": rates, "errors": errors,
                                "median_tokens_per_s": {b: statistics.median(v) for b, v in rates.items()}})
         del model

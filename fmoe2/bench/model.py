@@ -62,13 +62,46 @@ def build_model(name: str, layers: int):
     return model.eval()
 
 
+def _synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_synchronized(fn):
     """(seconds, result) of ``fn()`` from an idle GPU to an idle GPU: a whole ``generate``, host work included."""
-    torch.cuda.synchronize()
+    _synchronize()
     start = time.perf_counter()
     result = fn()
-    torch.cuda.synchronize()
+    _synchronize()
     return time.perf_counter() - start, result
+
+
+def generate_times_in_turns(runs: dict, tokens: int, rounds: int) -> dict:
+    """Seconds of greedy generates of each of ``runs`` (name -> ``run(new_tokens)``, one ``generate``), the runs
+    taking turns: eager decode is host-bound and the host's speed drifts over a run by more than the differences
+    measured (a backend's rate varied 1.4x between rounds on a shared H200), so every round times each run once in
+    turn, a 1-token generate (the prefill) then one of ``tokens``. Before the rounds each run makes one generate of
+    ``tokens`` (compiles, plans, allocator); a run that raises there is recorded with its error and left out.
+    Returns name -> ``{"prefill_s": [...], "total_s": [...], "peak_bytes": warm-up peak or None}`` or
+    ``{"error": str}``, in the order of ``runs``."""
+    out = {}
+    for name, run in runs.items():
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            run(tokens)
+            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+            out[name] = {"prefill_s": [], "total_s": [], "peak_bytes": peak}
+        except Exception as error:  # noqa: BLE001 - recorded (e.g. out of memory), not fatal
+            out[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    running = [name for name in runs if "error" not in out[name]]
+    for _ in range(rounds):
+        for name in running:
+            out[name]["prefill_s"].append(timed_synchronized(lambda: runs[name](1))[0])
+            out[name]["total_s"].append(timed_synchronized(lambda: runs[name](tokens))[0])
+    return out
 
 
 def run_point(model, backend: str, batch: int, prompt: int, new_tokens: int, repeats: int, compiled: bool, gen):

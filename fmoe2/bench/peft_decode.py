@@ -31,7 +31,7 @@ import torch
 from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.lora import MAX_LORA_RANK, MAX_LORAS
 
-from .model import MODELS, build_model, timed_synchronized
+from .model import MODELS, build_model, generate_times_in_turns
 from .provenance import provenance_line, rewrite_report, run_record
 
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -82,10 +82,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _runner(model, selection, loaded):
-    """A function generating with ``model`` (tokens ``[batch, prompt]``, ``new_tokens``) under ``selection``
-    (fmoe2 adapters per sequence; None: no adapter, or PEFT's own active adapter)."""
-    def run(input_ids, new_tokens):
+def _runner(model, selection, loaded, input_ids):
+    """``run(new_tokens)``: one greedy generate of ``model`` on ``input_ids`` under ``selection`` (fmoe2 adapters
+    per sequence; None: no adapter, or PEFT's own active adapter)."""
+    def run(new_tokens):
         with torch.no_grad():
             if selection is None:
                 return model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False)
@@ -94,32 +94,15 @@ def _runner(model, selection, loaded):
     return run
 
 
-def _interleaved(runners: dict, input_ids, new_tokens: int, repeats: int) -> dict:
-    """variant -> row of prefill s, decode tokens/s and peak bytes. Each round times every variant once in
-    turn (a prefill: one new token; then the whole generate), so that drift of the host or the GPU over the
-    run reaches every variant alike; medians over ``repeats`` rounds, after one warm-up generate each."""
-    prefill = {v: [] for v in runners}
-    total = {v: [] for v in runners}
-    peak = {}
-    rows = {}
-    for variant, run in runners.items():
-        try:
-            torch.cuda.reset_peak_memory_stats()
-            run(input_ids, new_tokens)  # warm-up (compiles)
-            peak[variant] = torch.cuda.max_memory_allocated()
-        except Exception as error:  # noqa: BLE001 - a variant that cannot run a point: recorded, not fatal
-            rows[variant] = dict(error=f"{type(error).__name__}: {str(error)[:300]}")
-    live = [v for v in runners if v not in rows]
-    for _ in range(repeats):
-        for variant in live:
-            prefill[variant].append(timed_synchronized(lambda: runners[variant](input_ids, 1))[0])
-            total[variant].append(timed_synchronized(lambda: runners[variant](input_ids, new_tokens))[0])
-    batch = input_ids.shape[0]
-    for variant in live:
-        first, whole = statistics.median(prefill[variant]), statistics.median(total[variant])
-        rows[variant] = dict(prefill_s=first, decode_tokens_per_s=batch * (new_tokens - 1) / max(whole - first, 1e-9),
-                             peak_bytes=peak[variant])
-    return {v: rows[v] for v in runners}
+def decode_row(times: dict, batch: int, new_tokens: int) -> dict:
+    """A result row from :func:`~fmoe2.bench.model.generate_times_in_turns`' times of one variant: the median
+    prefill and the decode rate as ``python -m fmoe2.bench.model`` computes it,
+    ``batch * (new_tokens - 1) / (median generate - median prefill)``."""
+    if "error" in times:
+        return {"error": times["error"]}
+    first, whole = statistics.median(times["prefill_s"]), statistics.median(times["total_s"])
+    return dict(prefill_s=first, decode_tokens_per_s=batch * (new_tokens - 1) / max(whole - first, 1e-9),
+                peak_bytes=times["peak_bytes"])
 
 
 def main(argv=None) -> int:
@@ -163,12 +146,12 @@ def main(argv=None) -> int:
     for batch in batches:
         selections = {"base": None, "one_adapter": [names[0]] * batch,
                       "mixed": [names[b % len(names)] for b in range(batch)]}
-        runners = {variant: _runner(model, selections[variant], loaded) for variant in selections}
-        runners["peft"] = _runner(peft_model, None, None)
         input_ids = torch.randint(0, model.config.vocab_size, (batch, a.prompt), device="cuda",
                                   generator=torch.Generator(device="cuda").manual_seed(batch))
-        for variant, row in _interleaved(runners, input_ids, a.new_tokens, a.repeats).items():
-            row = dict(variant=variant, batch=batch, **row)
+        runners = {variant: _runner(model, selections[variant], loaded, input_ids) for variant in selections}
+        runners["peft"] = _runner(peft_model, None, None, input_ids)
+        for variant, times in generate_times_in_turns(runners, a.new_tokens, a.repeats).items():
+            row = dict(variant=variant, batch=batch, **decode_row(times, batch, a.new_tokens))
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
         with open(path, "w") as f:
