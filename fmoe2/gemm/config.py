@@ -303,7 +303,7 @@ def _fit_gate_up_shared_memory(fitted: FusedMoEConfig, shared_memory: int, eleme
 
 def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtype, path: str = "auto",
                backend: Optional[str] = None, min_block_n: int = 16,
-               shared_memory: int = DEFAULT_SHARED_MEMORY) -> FusedMoEConfig:
+               shared_memory: int = DEFAULT_SHARED_MEMORY, fp8_weights: bool = False) -> FusedMoEConfig:
     """Clamps a config to the problem (see the module docstring); every config used goes through here.
 
     ``path`` ("fused"/"two_stage") switches the config's path first; "auto" keeps it. ``backend``
@@ -312,6 +312,10 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     ``next_pow2(I)``), with the same budgets as the atomic-add cap's widening. Last, the loops'
     buffers are fitted to ``shared_memory`` bytes per program for ``dtype``
     (:func:`fit_shared_memory`).
+
+    ``fp8_weights``: the clamps only, for :func:`fit_fp8_config` to fit next: fp8 sets the fused slices and the
+    K steps to one activation group and fits the loops to shared memory in fp8's bytes, so the 16-bit widening
+    and shared-memory fit would only be undone, or change the config again when it is fitted a second time.
     """
     backend = backend or current_backend()
     if path not in ("auto", cfg.path):
@@ -321,7 +325,7 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
 
     block_m, block_n, block_k, block_h = cfg.BLOCK_M, cap(cfg.BLOCK_N, I), cfg.BLOCK_K, cfg.BLOCK_H
     num_warps, num_stages = cfg.num_warps, cfg.num_stages
-    if cfg.path == "fused":
+    if cfg.path == "fused" and not fp8_weights:
         capped = dtype in (torch.bfloat16, torch.float16)  # 16-bit outputs round every atomic add
         while ((capped and topk * triton.cdiv(I, block_n) > MAX_ATOMIC_ADDS) or block_n < min_block_n) and \
                 block_n < min(MAX_BLOCK_N, triton.next_power_of_2(I)):
@@ -352,6 +356,8 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     cfg = replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
                   num_warps=num_warps, num_stages=num_stages,
                   S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=s2_block_k, S2_SPLIT_K=s2_split_k)
+    if fp8_weights:
+        return cfg
     return fit_shared_memory(cfg, dtype.itemsize, shared_memory)
 
 

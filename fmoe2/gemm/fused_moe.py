@@ -422,20 +422,25 @@ def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str
         config = get_config(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
                             problem.topk, problem.x.dtype, device=problem.x.device, path=path,
                             lora=problem.lora is not None)
-    else:
+    elif not problem.fp8:
         config = fit_given_config(config, problem, path, target)
     if problem.fp8:
         grid = (problem.num_tokens, problem.num_experts, problem.intermediate_size, problem.topk, target.num_sms)
 
-        def fp8_fit(cfg):
-            return fit_fp8_config(cfg, problem.x.element_size(), target.shared_memory, grid)
+        def fp8_fit(cfg, fit_path):
+            # The 16-bit fit's clamps only, then fp8's fit: a config that ran, stored by the tuner or passed back
+            # by a caller, must run again as it did. (The 16-bit fit's widening and shared-memory fit, in 16-bit
+            # bytes, changed 142 of the 998 configs the tuner tries at the four fp8 benchmark shapes on a second
+            # fit.)
+            return fit_fp8_config(fit_given_config(cfg, problem, fit_path, target, fp8_weights=True),
+                                  problem.x.element_size(), target.shared_memory, grid)
 
         if not (picked and path == "auto"):
-            return fp8_fit(config)
+            return fp8_fit(config, path)
         # The path by fp8's own rule: the fused fit's grid decides it, the 16-bit pick's path does not.
-        fused = fp8_fit(fit_given_config(config, problem, "fused", target))
+        fused = fp8_fit(config, "fused")
         if fp8_prefers_two_stage(fused, *grid):
-            return fp8_fit(fit_given_config(config, problem, "two_stage", target))
+            return fp8_fit(config, "two_stage")
         return fused
     return config
 
@@ -460,12 +465,13 @@ def deterministic_config_of(problem: MoEProblem, config: Optional[FusedMoEConfig
 
 
 def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto",
-                     target: Optional[Target] = None) -> FusedMoEConfig:
+                     target: Optional[Target] = None, fp8_weights: bool = False) -> FusedMoEConfig:
     """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
-    (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config_to_problem`)."""
+    (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config_to_problem`). ``fp8_weights``:
+    :func:`fit_config`'s clamps only (:func:`fit_fp8_config` fits the rest)."""
     target = target or target_of(problem.x.device)
     config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path,
-                        backend=target.backend, shared_memory=target.shared_memory)
+                        backend=target.backend, shared_memory=target.shared_memory, fp8_weights=fp8_weights)
     if problem.lora is None:
         return config
     return fit_lora_config_to_problem(config, problem.num_tokens, problem.num_experts, problem.hidden_size,

@@ -122,6 +122,27 @@ def test_fp8_forward_matches_the_same_quantization_reference(scheme, path, prepa
 
 
 @needs_fp8
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_fp8_k_loops_keep_scales_of_very_different_size_apart(path):
+    # Each K step scales its own product: steps whose activation and weight scales differ by up to 1e8 from one
+    # step to the next (their products by up to 1e2, so that every step's share shows in the output), a weight
+    # block whose scale is zero and an all-zero activation group must each add their own share.
+    M, E, H, I = 13, 6, 520, 264  # 5 activation groups along H (the last partial), 3 along I
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(M, E, H, I, 3, "block", seed=5)
+    group_size = torch.tensor([1e-4, 1e4, 1.0, 0.0, 1e-2], device=DEVICE)
+    x = (x.float() * group_size.repeat_interleave(FP8_GROUP)[:H]).to(DTYPE)
+    s1, s2 = scales["w1_scale"].clone(), scales["w2_scale"].clone()
+    s1 *= torch.tensor([1e3, 1e-5, 1.0, 1e3, 1e1], device=DEVICE)[:s1.shape[2]]
+    s1[:, 1, 2] = 0.0  # (a checkpoint's all-zero block may store a zero scale)
+    s2 *= torch.tensor([10.0, 0.1, 1.0], device=DEVICE)[:s2.shape[2]]
+    scales = dict(scales, w1_scale=s1, w2_scale=s2)
+    unquantized = (dequantize_weights(w1, s1, 128, 128), dequantize_weights(w2, s2, 128, 128))
+    out = poisoned(M, H, DTYPE)
+    fused_moe(x, w1, w2, tw, ti, out=out, path=path, **scales)
+    _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+@needs_fp8
 def test_fp8_one_token_with_a_float32_accumulator_keeps_the_sort_path():
     # The eager one-launch decode is for 16-bit weights (fp8's x is quantized by the sort launch): a caller's
     # accumulate_fp32=True config at M=1 runs the sort and the fused kernel, casting in the kernel.
@@ -380,3 +401,27 @@ def test_tuned_fp8_entries_are_read_by_nearest_batch_and_run_with_their_path(tmp
                 assert (ran.BLOCK_M, ran.BLOCK_N, ran.BLOCK_H) == (expected.BLOCK_M, expected.BLOCK_N, expected.BLOCK_H)
     finally:
         fused_moe_module.clear_plans()
+
+
+@pytest.mark.parametrize("path", ["auto", "fused", "two_stage"])
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "deepseek-v3"])
+def test_an_fp8_config_that_ran_runs_again_as_it_is(shape, path):
+    # A config as an fp8 forward ran it (what the tuner stores, what plan_of gives back) must be what the same
+    # forward runs when passed back: fitting must reach its fixed point (sm_90, every config the tuner tries).
+    import importlib
+
+    from fmoe2.bench.search import fmoe2_candidates
+    from fmoe2.gemm.launches import MoEProblem
+    from fmoe2.shapes import ALL_SHAPES
+
+    pick_config = importlib.import_module("fmoe2.gemm.fused_moe").pick_config
+    E, H, I, topk = ALL_SHAPES[shape]
+    meta = dict(device="meta")
+    for M in (1, 16, 4096):
+        problem = MoEProblem(torch.empty(M, H, dtype=torch.bfloat16, **meta),
+                             torch.empty(E, 2 * I, H, dtype=FP8, **meta), torch.empty(E, H, I, dtype=FP8, **meta),
+                             True, E, H, I, topk, w1_scale=torch.empty(E, 2 * I // 128, H // 128, **meta),
+                             w2_scale=torch.empty(E, H // 128, I // 128, **meta), scale_block=(128, 128))
+        for candidate in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16):
+            ran = pick_config(problem, candidate, path, NAMED_TARGETS["sm_90"])
+            assert pick_config(problem, ran, path, NAMED_TARGETS["sm_90"]) == ran, (M, candidate)
