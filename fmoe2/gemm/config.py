@@ -313,9 +313,10 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     buffers are fitted to ``shared_memory`` bytes per program for ``dtype``
     (:func:`fit_shared_memory`).
 
-    ``fp8_weights``: the clamps only, for :func:`fit_fp8_config` to fit next: fp8 sets the fused slices and the
-    K steps to one activation group and fits the loops to shared memory in fp8's bytes, so the 16-bit widening
-    and shared-memory fit would only be undone, or change the config again when it is fitted a second time.
+    ``fp8_weights``: the clamps only, for :func:`fit_fp8_config` to fit next. fp8 sets the fused slices and the
+    K steps to one activation group and fits the loops to shared memory in fp8's bytes; the 16-bit widening
+    (its stage, warp and down-tile cuts) and shared-memory fit would be partly undone by that and partly kept,
+    and change the config again when it is fitted a second time.
     """
     backend = backend or current_backend()
     if path not in ("auto", cfg.path):

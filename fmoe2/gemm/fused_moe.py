@@ -458,7 +458,7 @@ def deterministic_config_of(problem: MoEProblem, config: Optional[FusedMoEConfig
                                                 problem.intermediate_size, problem.topk, problem.x.dtype,
                                                 target.num_sms, target.backend, target.shared_memory, in_stages=True)
     else:
-        config = fit_given_config(replace(config, S2_SPLIT_K=1), problem, "two_stage", target)
+        config = fit_given_config(replace(config, S2_SPLIT_K=1), problem, "two_stage", target, fp8_weights=problem.fp8)
     if problem.fp8:
         return fit_fp8_config(config, problem.x.element_size(), target.shared_memory)
     return config

@@ -125,8 +125,9 @@ def test_fp8_forward_matches_the_same_quantization_reference(scheme, path, prepa
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
 def test_fp8_k_loops_keep_scales_of_very_different_size_apart(path):
     # Each K step scales its own product: steps whose activation and weight scales differ by up to 1e8 from one
-    # step to the next (their products by up to 1e2, so that every step's share shows in the output), a weight
-    # block whose scale is zero and an all-zero activation group must each add their own share.
+    # step to the next (their products by up to 1e1 along H and 1e2 along I, so that every step's share shows in
+    # the output), a weight block whose scale is zero and an all-zero activation group must each add their own
+    # share.
     M, E, H, I = 13, 6, 520, 264  # 5 activation groups along H (the last partial), 3 along I
     x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(M, E, H, I, 3, "block", seed=5)
     group_size = torch.tensor([1e-4, 1e4, 1.0, 0.0, 1e-2], device=DEVICE)
@@ -403,11 +404,12 @@ def test_tuned_fp8_entries_are_read_by_nearest_batch_and_run_with_their_path(tmp
         fused_moe_module.clear_plans()
 
 
-@pytest.mark.parametrize("path", ["auto", "fused", "two_stage"])
+@pytest.mark.parametrize("path", ["auto", "fused", "two_stage", "deterministic"])
 @pytest.mark.parametrize("shape", ["mixtral-8x7b", "deepseek-v3"])
 def test_an_fp8_config_that_ran_runs_again_as_it_is(shape, path):
     # A config as an fp8 forward ran it (what the tuner stores, what plan_of gives back) must be what the same
-    # forward runs when passed back: fitting must reach its fixed point (sm_90, every config the tuner tries).
+    # forward runs when passed back: fitting must reach its fixed point (sm_90, every config the tuner tries at
+    # the batch sizes it tunes; deterministic mode too).
     import importlib
 
     from fmoe2.bench.search import fmoe2_candidates
@@ -417,11 +419,15 @@ def test_an_fp8_config_that_ran_runs_again_as_it_is(shape, path):
     pick_config = importlib.import_module("fmoe2.gemm.fused_moe").pick_config
     E, H, I, topk = ALL_SHAPES[shape]
     meta = dict(device="meta")
-    for M in (1, 16, 4096):
+    deterministic = path == "deterministic"
+    for M in (1, 16, 128, 1024, 4096):
         problem = MoEProblem(torch.empty(M, H, dtype=torch.bfloat16, **meta),
                              torch.empty(E, 2 * I, H, dtype=FP8, **meta), torch.empty(E, H, I, dtype=FP8, **meta),
                              True, E, H, I, topk, w1_scale=torch.empty(E, 2 * I // 128, H // 128, **meta),
-                             w2_scale=torch.empty(E, H // 128, I // 128, **meta), scale_block=(128, 128))
+                             w2_scale=torch.empty(E, H // 128, I // 128, **meta), scale_block=(128, 128),
+                             deterministic=deterministic)
+        if deterministic:
+            path = "auto"
         for candidate in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16):
             ran = pick_config(problem, candidate, path, NAMED_TARGETS["sm_90"])
             assert pick_config(problem, ran, path, NAMED_TARGETS["sm_90"]) == ran, (M, candidate)
