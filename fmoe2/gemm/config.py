@@ -515,6 +515,11 @@ def get_config(
                                       in_stages=True if deterministic else None)
 
 
+def nearest_batch(batches, M: int):
+    """The tuned batch size (an int or its string, as the tuned file's keys) nearest ``M``; the smaller on a tie."""
+    return min(batches, key=lambda m: (abs(int(m) - M), int(m)))
+
+
 def deterministic_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, *,
                          device: Optional[torch.device] = None, backend: Optional[str] = None,
                          arch: Optional[str] = None, cuda_arch: Optional[int] = None, config_dir: str = CONFIG_DIR,
@@ -551,9 +556,9 @@ def deterministic_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch
         entries = {int(m): c for m, c in (tuned_file or {}).items() if m.isdigit()}
         entries.update({int(m): c for m, c in (tuned_file or {}).get("deterministic", {}).items()})
         if entries:
-            nearest = min(entries, key=lambda m: (abs(m - M), m))
-            cfg = fit_config(replace(FusedMoEConfig.from_dict(entries[nearest]), path="two_stage"), H, I, topk,
-                             dtype, "two_stage", backend, shared_memory=shared_memory)
+            nearest = FusedMoEConfig.from_dict(entries[nearest_batch(entries, M)])
+            cfg = fit_config(replace(nearest, path="two_stage"), H, I, topk, dtype, "two_stage", backend,
+                             shared_memory=shared_memory)
         else:
             cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, "two_stage", config_dir, tuned)
         return replace(cfg, S2_SPLIT_K=1)
@@ -572,8 +577,7 @@ def tuned_fp8_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     entries = (tuned_file or {}).get("fp8") or {}
     if not entries:
         return None
-    nearest = min(entries, key=lambda m: (abs(int(m) - M), int(m)))
-    return FusedMoEConfig.from_dict(entries[nearest])
+    return FusedMoEConfig.from_dict(entries[nearest_batch(entries, M)])
 
 
 def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:
@@ -586,9 +590,8 @@ def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_di
         os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
     batches = [m for m in tuned_file or () if m.isdigit()]  # (not the "deterministic" entry)
     if batches:
-        nearest = min(batches, key=lambda m: (abs(int(m) - M), int(m)))
-        return fit_config(FusedMoEConfig.from_dict(tuned_file[nearest]), H, I, topk, dtype, path, backend,
-                          shared_memory=shared_memory)
+        nearest = FusedMoEConfig.from_dict(tuned_file[nearest_batch(batches, M)])
+        return fit_config(nearest, H, I, topk, dtype, path, backend, shared_memory=shared_memory)
 
     defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
         os.path.join(CONFIG_DIR, "defaults.json"))
