@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import triton
@@ -146,6 +146,29 @@ def _loads_before_wait(ptx: str):
     return len(re.findall(r"\bld\.global", ptx[:ptx.index("griddepcontrol.wait")]))
 
 
+def accumulator_reset_after_reads(ttgir: str) -> Optional[bool]:
+    """Whether every store of float32 zeros that follows the first L2 (".cg") load of a kernel comes after a
+    barrier that follows every such load before it: the one-launch decode's cast reads its accumulator row,
+    then zeroes it, and the compiler may give the zeroing stores a thread layout of their own
+    (docs/correctness.md). None where a kernel has no such load followed by such a store."""
+    zeros = set(re.findall(r"(%[\w.]+) = arith\.constant dense<0\.000000e\+00> : tensor<[0-9x]+xf32", ttgir))
+    last_read = barrier = None
+    seen = False
+    for number, line in enumerate(ttgir.splitlines()):
+        if re.search(r"cache_?[mM]odifier = cg\b", line) and re.search(r"\b(tt\.load|amdg\.buffer_load)\b", line):
+            last_read = number
+        elif re.search(r"\b(gpu\.barrier|ttg\.barrier)\b", line):
+            barrier = number
+        else:
+            # tt.store %pointers, %values (CUDA); amdg.buffer_store %values, %base[%offsets] (ROCm)
+            m = re.search(r"(?:tt\.store %[\w.]+, |amdg\.buffer_store )(%[\w.]+)[, ]", line)
+            if m and m.group(1) in zeros and last_read is not None:
+                seen = True
+                if barrier is None or barrier < last_read:
+                    return False
+    return True if seen else None
+
+
 def _report_hip(compiled) -> dict:
     gcn = compiled.asm["amdgcn"]
 
@@ -184,6 +207,7 @@ def _compile(fn, grid, args, constexprs, options, target: GPUTarget) -> dict:
     report = {"compile_seconds": round(time.time() - t0, 2), "grid": list(grid),
               "num_warps": options.get("num_warps"), "num_stages": options.get("num_stages")}
     report.update(_report_cuda(compiled) if target.backend == "cuda" else _report_hip(compiled))
+    report["accumulator_reset_after_reads"] = accumulator_reset_after_reads(compiled.asm["ttgir"])
     return report
 
 
@@ -200,7 +224,7 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
                    num_loras: int = 4, tma: bool = False, pdl: bool = False, fp8: str = "",
-                   deterministic: bool = False) -> List[dict]:
+                   deterministic: bool = False, tuned_for: Optional[str] = None) -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always
@@ -215,6 +239,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     with ``pdl=True`` (programmatic dependent launch). ``fp8`` ("block", "channel" or "tensor"): fp8
     weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
     (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
+    ``tuned_for``: the configs of that GPU's tuned files (``fmoe2/gemm/configs/<tuned_for>/``) where it has one
+    for the shape, instead of the shipped default rules.
     ``deterministic``: instead, the launches of deterministic mode (``deterministic_sort``,
     ``deterministic_stage1``, ``deterministic_stage2``, ``deterministic_combine``), with adapters of
     ``lora_rank`` where given.
@@ -251,7 +277,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         scales = dict(w1_scale=s1, w2_scale=s2, scale_block=(bn, bk))
     topk_ids = torch.empty(M, topk, dtype=torch.int32, **meta)
     topk_weights = torch.empty(M, topk, dtype=torch.float32, **meta)
-    pick = dict(backend=backend, arch=target.arch if backend == "hip" else None)
+    where = dict(backend=backend, arch=target.arch if backend == "hip" else None)
+    pick = dict(where, tuned_for=tuned_for)
     config = get_config(M, E, H, inter, topk, dtype, **pick)
     fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
     # griddepcontrol needs sm_90 (the launches check the target's, also for a tuned pdl=True)
@@ -272,7 +299,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     reports = []
     if deterministic:
         config = deterministic_config(M, E, H, inter, topk, dtype, cuda_arch=named.cuda_arch, lora=bool(lora_rank),
-                                      fp8=bool(fp8), **pick)
+                                      fp8=bool(fp8), **where)
         if fp8:
             config = fit_fp8_config(config, x.element_size(), named.shared_memory)
         problem.deterministic = True
@@ -374,6 +401,9 @@ def main(argv=None) -> int:
                         help="fp8 weights with scales of this scheme (block-wise: 128 x 128); --dtype is the activations'")
     parser.add_argument("--deterministic", action="store_true",
                         help="the launches of deterministic mode instead (fused_moe(..., deterministic=True))")
+    parser.add_argument("--tuned-for", default=None,
+                        help="the configs of this GPU's tuned files (a folder of fmoe2/gemm/configs, e.g. NVIDIA_H200) "
+                             "instead of the default rules, where it has one for the shape")
     a = parser.parse_args(argv)
     if a.fp8 and a.lora_rank:
         parser.error("--fp8 does not take --lora-rank: fp8 weights take no LoRA adapters yet")
@@ -393,7 +423,7 @@ def main(argv=None) -> int:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
         for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
-                                     a.num_loras, a.tma, a.pdl, a.fp8, a.deterministic):
+                                     a.num_loras, a.tma, a.pdl, a.fp8, a.deterministic, a.tuned_for):
             print(json.dumps(report))
     return 0
 

@@ -488,6 +488,7 @@ def get_config(
     lora: bool = False,
     deterministic: bool = False,
     cuda_arch: Optional[int] = None,
+    tuned_for: Optional[str] = None,
 ) -> FusedMoEConfig:
     """Picks the fused-kernel config for one problem (see the module docstring).
 
@@ -499,6 +500,8 @@ def get_config(
     :func:`fit_lora_config_to_problem`.
     ``deterministic=True``: the config of deterministic mode (:func:`deterministic_config`; ``cuda_arch``,
     e.g. 90, for a CUDA GPU that is not there), with adapters fitted with their deltas in the stages.
+    ``tuned_for``: the name of a GPU (``device_config_name``, e.g. ``"NVIDIA_H200"``) whose tuned files to read,
+    also when ``backend``/``arch`` name a GPU that is not here (``fmoe2.codegen --tuned-for`` compiles them).
     """
     if deterministic:
         if path not in ("auto", "two_stage"):
@@ -507,7 +510,7 @@ def get_config(
         cfg = deterministic_config(M, E, H, I, topk, dtype, device=device, backend=backend, arch=arch,
                                    cuda_arch=cuda_arch, config_dir=config_dir, tuned=tuned, lora=lora)
     else:
-        cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned)
+        cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned, tuned_for)
     if not lora:
         return cfg
     target = target_of(device)
@@ -580,14 +583,17 @@ def tuned_fp8_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     return FusedMoEConfig.from_dict(entries[nearest_batch(entries, M)])
 
 
-def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned) -> FusedMoEConfig:
+def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned,
+                 tuned_for=None) -> FusedMoEConfig:
     """The plain pick of :func:`get_config`: tuned file (nearest batch) or the shipped default rules."""
-    # Tuned files belong to the GPU that is here: not used when configs for another backend/arch are asked.
+    # Tuned files belong to the GPU that is here (or the one named by tuned_for): not used when configs for another
+    # backend/arch are asked.
     foreign = (backend is not None and backend != current_backend()) or arch is not None
     backend = backend or current_backend()
     shared_memory = DEFAULT_SHARED_MEMORY if foreign else target_of(device).shared_memory
-    tuned_file = None if foreign or not tuned else _load_json(
-        os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
+    directory = tuned_for if tuned_for is not None else None if foreign else device_config_name(device)
+    tuned_file = None if directory is None or not tuned else _load_json(
+        os.path.join(config_dir, directory, shape_file_name(E, H, I, topk, dtype)))
     batches = [m for m in tuned_file or () if m.isdigit()]  # (not the "deterministic" entry)
     if batches:
         nearest = FusedMoEConfig.from_dict(tuned_file[nearest_batch(batches, M)])

@@ -263,6 +263,10 @@ def _cast_finished_rows(acc_rows, final_rows, token, add_counts, row_valid, expe
             v = tl.load(acc_ptr + row * stride_acc_m + cols, mask=cols < H, other=0.0, cache_modifier=".cg")
             tl.store(final_ptr + row * stride_final_m + cols, v.to(final_ptr.dtype.element_ty), mask=cols < H)
             if RESET:
+                # Only once every thread has read these columns: the compiler lays the zero stores out over the
+                # threads its own way (sm_90: a thread loads and casts 8 columns but zeroes 4 others), and without
+                # the barrier one thread zeroed columns another had not read yet (docs/correctness.md).
+                tl.debug_barrier()
                 tl.store(acc_ptr + row * stride_acc_m + cols, tl.zeros_like(v), mask=cols < H)
     elif num_finished > 1:
         offs_h0 = tl.arange(0, BLOCK_H)
@@ -271,7 +275,8 @@ def _cast_finished_rows(acc_rows, final_rows, token, add_counts, row_valid, expe
             mask = finished[:, None] & (offs_h < H)[None, :]
             v = tl.load(acc_rows + offs_h[None, :], mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(final_rows + offs_h[None, :], v.to(final_rows.dtype.element_ty), mask=mask)
-            if RESET:
+            if RESET:  # after every thread's reads, as above
+                tl.debug_barrier()
                 tl.store(acc_rows + offs_h[None, :], tl.zeros_like(v), mask=mask)
     if RESET:
         tl.store(add_counts, tl.zeros_like(seen), mask=finished)
