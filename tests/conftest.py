@@ -39,6 +39,19 @@ def fresh_plans():
     fmoe2.clear_plan_cache()
 
 
+@pytest.fixture(autouse=True)
+def give_back_gpu_memory():
+    """After each test on a GPU, the memory its tensors held goes back to the device: the suite runs in parallel
+    workers on one GPU (``-n 12``), and a worker's cached blocks would otherwise starve the others (out-of-memory
+    failures, the main job's among them)."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def deterministic_off():
     """Restores the global switches of deterministic mode that a test turns on."""

@@ -84,7 +84,10 @@ def test_compiled_module_traces_fused_moe_without_graph_breaks(prepared, lora):
     with torch.no_grad():
         eager = block(x, lora_ids)
         compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x, lora_ids)  # raises on a graph break
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # the interpreter adds in a fixed order
+    # The interpreter adds in a fixed order: the same bits. On a GPU the order of the atomic adds varies from call to
+    # call (seen: 1 of 440 fp16 elements one step apart, H200), so the last bits may differ.
+    tol = 0 if DEVICE == "cpu" else 2e-3
+    torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
     weights, ids = block.routing(x)
     extra = dict(lora=block.lora, token_lora_ids=lora_ids) if lora else {}
     assert_matches_reference(compiled - x, x, block.w1, block.w2, weights, ids, **extra)

@@ -43,7 +43,7 @@ import fmoe2
 from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import call_key, plan_of
 from fmoe2.launch import LaunchSpec, bind_launches, raw_stream, set_launch_mode
-from fmoe2.shapes import SHAPES
+from fmoe2.shapes import ALL_SHAPES, SHAPES
 
 from .provenance import provenance_line, run_record, write_result
 from .timing import capture_graph, time_in_graph
@@ -355,7 +355,7 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fmoe2.bench.host", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(ALL_SHAPES)}")
     p.add_argument("--m", default="1", help="comma-separated batch sizes")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile module timings")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="results go to <out-dir>/host/")
@@ -370,11 +370,11 @@ def main(argv=None) -> int:
     print(json.dumps(result["references"]), flush=True)
     for name in a.shapes.split(","):
         for M in (int(m) for m in a.m.split(",")):
-            row = forward_costs(name, SHAPES[name], M, gen)
+            row = forward_costs(name, ALL_SHAPES[name], M, gen)
             result["forward"].append(row)
             print(json.dumps(row), flush=True)
             if not a.no_compile:
-                row = compiled_module_costs(name, SHAPES[name], M, gen)
+                row = compiled_module_costs(name, ALL_SHAPES[name], M, gen)
                 result["compiled"].append(row)
                 print(json.dumps(row), flush=True)
     print(write_result(os.path.join(a.out_dir, "host", f"{device_config_name()}.json"), result, markdown))
