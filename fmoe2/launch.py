@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,8 @@ try:  # Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: launch hooks are not read
     _knobs = None
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._validation import interpreter_enabled
 
 # Whether torch.compile is tracing (then fmoe2's functions call their registered ops instead of
 # running); the dynamo-only check is the cheaper one where torch has it.
@@ -112,8 +115,18 @@ class LaunchSpec:
     options: Dict[str, Any]  # num_warps, num_stages, launch_pdl, ROCm options
 
     def launch(self):
-        """Launches through Triton's JIT; returns what it returns (the compiled kernel on GPUs)."""
+        """Launches through Triton's JIT; returns what it returns (the compiled kernel on GPUs). Under the
+        Triton interpreter one launch runs at a time (:data:`INTERPRETER_LOCK`)."""
+        if interpreter_enabled():
+            with INTERPRETER_LOCK:
+                return self.kernel[self.grid](**self.args, **self.constexprs, **self.options)
         return self.kernel[self.grid](**self.args, **self.constexprs, **self.options)
+
+
+# The Triton interpreter runs a launch's programs one after another through module-level state (the program id
+# it is at, among others), which two threads' launches at once would share: measured, concurrent calls failed
+# with unrelated errors or returned wrong outputs (issue 44). Launches of fmoe2's kernels under it take turns.
+INTERPRETER_LOCK = threading.RLock()
 
 
 @functools.lru_cache(maxsize=None)

@@ -135,7 +135,14 @@ class MoEPlan:
         accumulator = kept_accumulator(device, stream, self.decode_numel)
         spec = launches.decode_launch(problem, topk_weights, topk_ids, self.activation, out, expert_map, self.config,
                                       self.target, accumulator)
-        compiled = spec.launch()
+        try:
+            compiled = spec.launch()
+        except BaseException:
+            # Under the interpreter the programs run one after another on the host: an interrupted launch
+            # (KeyboardInterrupt) or a failed one may have added into the kept accumulator and counted adds without
+            # the last program's reset, which would spoil every later one-token call on this stream.
+            accumulator.zero_()
+            raise
         if bind:
             sources = source_addresses(problem, topk_weights, topk_ids, out, expert_map)
             bound = bind_launches([spec], [compiled], sources + [accumulator.data_ptr()])
