@@ -164,8 +164,8 @@ def quantize_activations(v: torch.Tensor, dtype: torch.dtype, group: int = FP8_G
     padded = v.float().new_zeros(R, groups * group)
     padded[:, :K] = v.float()
     padded = padded.view(R, groups, group)
-    amax = padded.abs().amax(dim=2)
-    amax = torch.where(amax > 0, amax, 1.0)
+    amax = padded.abs().amax(dim=2)  # (NaN where the group holds NaN, kept as the kernels keep it)
+    amax = torch.where(amax == 0, 1.0, amax)
     limit = fp8_max(dtype)
     # Tensor by tensor: torch divides by a Python scalar as a product with its reciprocal on GPUs, which
     # differs from a division in the last bit.
@@ -207,12 +207,18 @@ def _quantize_rows(v, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NO
     """``(scaled [R, C] fp32, scale [R] fp32)`` of fp32 rows ``v``, one quantization group per row
     (module docstring): ``scaled.to(fp8)`` is the quantized row, ``scale`` its dequantization scale.
     SOFT_ROUNDING (the interpreter): ``scaled`` already on the fp8 grid (:func:`_round_to_fp8_grid`)."""
-    amax = tl.max(tl.abs(v), axis=1)
-    amax = tl.where(amax > 0.0, amax, 1.0)
+    # NaN propagates as through a 16-bit GEMM (tl.max, tl.maximum and tl.minimum drop it by default): a row
+    # holding NaN gets the scale NaN and every element NaN; one holding +-inf gets the scale inf and NaN
+    # where the inf was (inf * 0), so its products come out NaN too. Rows are independent. The row maximum
+    # is taken on the bits: non-negative floats order as their int32 patterns, and NaN (sign cleared by
+    # abs) lies above inf (a custom combine would do too, but runs element by element in the interpreter).
+    amax = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
+    amax = tl.where(amax == 0.0, 1.0, amax)
     limit = tl.full(amax.shape, FP8_MAX, tl.float32)
     inv = tl.math.div_rn(limit, amax)  # (plain "/" may be approximate on GPUs)
     scale = tl.math.div_rn(amax, limit)
-    scaled = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX), FP8_MAX)
+    scaled = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                        propagate_nan=tl.PropagateNan.ALL)
     if SOFT_ROUNDING:
         scaled = _round_to_fp8_grid(scaled, MIN_NORMAL, SUBNORMAL_STEP)
     return scaled, scale

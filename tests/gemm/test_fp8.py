@@ -26,14 +26,30 @@ needs_fp8 = pytest.mark.skipif(FP8 not in target_of(DEVICE).fp8_dtypes, reason="
 
 
 @triton.jit
-def _quantize_kernel(v_ptr, q_ptr, s_ptr, C: tl.constexpr, FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr,
-                     FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr):
+def _quantize_kernel(v_ptr, scaled_ptr, q_ptr, s_ptr, C: tl.constexpr, FP8_MAX: tl.constexpr,
+                     SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr):
+    """``_quantize_rows`` of 16 rows of C columns: the fp8 rows and their scales (and, unless ``scaled_ptr`` is
+    None, the scaled float32 rows before the fp8 conversion)."""
     rows = tl.arange(0, 16)
     cols = tl.arange(0, C)
     v = tl.load(v_ptr + rows[:, None] * C + cols[None, :])
     scaled, scale = _quantize_rows(v, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+    if scaled_ptr is not None:
+        tl.store(scaled_ptr + rows[:, None] * C + cols[None, :], scaled)
     tl.store(q_ptr + rows[:, None] * C + cols[None, :], scaled.to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + rows, scale)
+
+
+def _kernel_quantized(v, soft, scaled=False):
+    """``(q, scale, scaled or None)`` of ``_quantize_kernel`` on 16 rows ``v`` of FP8_GROUP columns (``soft``:
+    the interpreter's rounding)."""
+    q = torch.empty(16, FP8_GROUP, dtype=FP8, device=DEVICE)
+    s = torch.empty(16, dtype=torch.float32, device=DEVICE)
+    scaled = torch.empty(16, FP8_GROUP, device=DEVICE) if scaled else None
+    consts = fp8_constexprs(FP8, interpreter=soft)
+    _quantize_kernel[(1,)](v, scaled, q, s, FP8_GROUP, consts["FP8_MAX"], soft, consts["FP8_MIN_NORMAL"],
+                           consts["FP8_SUBNORMAL_STEP"])
+    return q, s, scaled
 
 
 @needs_fp8
@@ -45,11 +61,7 @@ def test_kernel_quantization_equals_its_torch_mirror_bit_for_bit():
     v[3] = 0.0  # an all-zero group
     v[5, :4] = torch.tensor([127.3, -31.97, 1e-6, 447.99])  # mantissa carries into the exponent; a subnormal
     v = v.to(DEVICE)
-    q = torch.empty(16, FP8_GROUP, dtype=FP8, device=DEVICE)
-    s = torch.empty(16, dtype=torch.float32, device=DEVICE)
-    consts = fp8_constexprs(FP8, interpreter=soft)
-    _quantize_kernel[(1,)](v, q, s, FP8_GROUP, consts["FP8_MAX"], soft, consts["FP8_MIN_NORMAL"],
-                           consts["FP8_SUBNORMAL_STEP"])
+    q, s, _ = _kernel_quantized(v, soft)
     q_ref, s_ref = quantize_activations(v, FP8)
     assert torch.equal(s, s_ref[:, 0])
     mismatches = (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()
@@ -141,6 +153,123 @@ def test_fp8_k_loops_keep_scales_of_very_different_size_apart(path):
     out = poisoned(M, H, DTYPE)
     fused_moe(x, w1, w2, tw, ti, out=out, path=path, **scales)
     _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+
+@needs_fp8
+def test_kernel_quantization_keeps_nan_and_inf_in_their_row():
+    # A group holding NaN quantizes to NaN (its scale too), one holding +-inf to NaN where the inf was and a scale
+    # of inf, as the torch mirror does: the row's products come out NaN, never finite. Other rows are untouched.
+    soft = DEVICE != "cuda"
+    gen = torch.Generator().manual_seed(2)
+    v = torch.randn(16, FP8_GROUP, generator=gen)
+    clean = v.clone()
+    v[1, 5], v[6, 0], v[9, 127] = float("nan"), float("inf"), -float("inf")
+    v = v.to(DEVICE)
+    q, s, scaled = _kernel_quantized(v, soft, scaled=True)
+    q_ref, s_ref = quantize_activations(v, FP8)
+    s_ref, nan_ref = s_ref[:, 0], q_ref.float().isnan()
+    assert nan_ref[1].all() and s_ref[1].isnan() and torch.isinf(s_ref[[6, 9]]).all()
+    assert nan_ref.nonzero().tolist()[FP8_GROUP:] == [[6, 0], [9, 127]]
+    assert torch.equal(scaled.isnan(), nan_ref)
+    # (The interpreter's fp32 -> fp8 conversion turns NaN into 384, Triton 3.9: checked compiled only.)
+    if not soft:
+        assert torch.equal(q.float().isnan(), nan_ref)
+    assert torch.equal(s.isnan(), s_ref.isnan()) and torch.equal(s.isinf(), s_ref.isinf())
+    rows = torch.tensor([r for r in range(16) if r not in (1, 6, 9)], device=DEVICE)
+    q_clean, s_clean = quantize_activations(clean.to(DEVICE), FP8)
+    assert torch.equal(s[rows], s_clean[rows, 0])
+    assert (q[rows].view(torch.uint8) != q_clean[rows].view(torch.uint8)).sum().item() <= (4 if soft else 0)
+
+
+def _check_nan_rows(out, ref, nan_rows):
+    """``out``'s NaN elements are the reference's (which are the whole rows ``nan_rows``); every other row
+    is finite and within the same-quantization tolerance."""
+    expected = torch.zeros(ref.shape[0], dtype=torch.bool, device=ref.device)
+    expected[nan_rows] = True
+    assert torch.equal(ref.isnan().any(1), expected) and ref[expected].isnan().all()  # (what the test set up)
+    assert torch.equal(out.isnan(), ref.isnan()), (out.isnan().any(1), expected)
+    others = ~expected
+    assert torch.isfinite(out[others]).all()
+    if others.any():
+        assert rel_error(out[others].float(), ref[others].float()) <= SAME_QUANT_TOL
+
+
+NAN_PATHS = ["fused", "two_stage", "deterministic"]
+
+
+@needs_fp8
+@pytest.mark.parametrize("M", [1, 6])
+@pytest.mark.parametrize("path", NAN_PATHS)
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor"])
+def test_fp8_nan_in_one_token_gives_nan_in_its_row_only(scheme, path, M):
+    # As the 16-bit path and the reference: the token's output row is NaN (an inf in x: NaN too), and no
+    # other token's row changes, though they share its tiles (a scale of the tile would spread it).
+    x, w1, w2, tw, ti, scales, _ = _fp8_problem(M, 6, 200, 136, 3, scheme, seed=M)
+    clean = x.clone()
+    x[M // 2, 150] = float("nan")  # (the second, partial activation group)
+    nan_rows = [M // 2]
+    if M > 1:
+        x[M - 1, 3] = float("inf")
+        nan_rows.append(M - 1)
+    kwargs = dict(path="auto", deterministic=True) if path == "deterministic" else dict(path=path)
+    out = poisoned(M, 200, DTYPE)
+    fused_moe(x, w1, w2, tw, ti, out=out, **kwargs, **scales)
+    _check_nan_rows(out, fmoe2.fused_moe_reference(x, w1, w2, tw, ti, **scales), nan_rows)
+    if path == "deterministic" and M > 1:  # the same bits for every other token as without the NaN
+        others = [t for t in range(M) if t not in nan_rows]
+        assert torch.equal(out[others], fused_moe(clean, w1, w2, tw, ti, **kwargs, **scales)[others])
+
+
+def _tokens_of(ti, expert):
+    return sorted(set(torch.nonzero(ti == expert)[:, 0].tolist()))
+
+
+def _sixteen_bit_nan_rows(x, w1, w2, tw, ti, scales):
+    """NaN rows of the 16-bit fmoe2 forward on the dequantized weights (per row: any NaN)."""
+    views = [weight_scale_view(name, s, *w.shape, scales["block_shape"])
+             for name, s, w in (("w1_scale", scales["w1_scale"], w1), ("w2_scale", scales["w2_scale"], w2))]
+    d1, d2 = (dequantize_weights(w, v[0], v[1], v[2]).to(DTYPE) for w, v in zip((w1, w2), views))
+    return torch.nonzero(fused_moe(x, d1, d2, tw, ti).isnan().any(1))[:, 0].tolist()
+
+
+def _check_one_experts_tokens_nan(x, w1, w2, tw, ti, scales, expert, path):
+    """The forward on ``path`` (or deterministic mode) gives NaN in the rows of ``expert``'s tokens, as the
+    reference does (and, on the fused path, the 16-bit forward on the dequantized weights), and nowhere else."""
+    kwargs = dict(path="auto", deterministic=True) if path == "deterministic" else dict(path=path)
+    out = fused_moe(x, w1, w2, tw, ti, **kwargs, **scales)
+    rows = _tokens_of(ti, expert)
+    assert 0 < len(rows) < x.shape[0]
+    _check_nan_rows(out, fmoe2.fused_moe_reference(x, w1, w2, tw, ti, **scales), rows)
+    if path == "fused":
+        assert _sixteen_bit_nan_rows(x, w1, w2, tw, ti, scales) == rows
+
+
+@needs_fp8
+@pytest.mark.parametrize("path", NAN_PATHS)
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor"])
+def test_fp8_nan_weight_scale_of_one_expert_gives_nan_in_its_tokens_rows(scheme, path):
+    M, E = 6, 6
+    x, w1, w2, tw, ti, scales, _ = _fp8_problem(M, E, 200, 136, 3, scheme, seed=3)
+    expert = int(ti[M // 2, 1])
+    s1 = scales["w1_scale"].clone()
+    if scheme == "tensor":
+        s1[expert] = float("nan")
+    else:  # one block / one output channel of the up half only
+        s1.view(E, s1.shape[1], -1)[expert, s1.shape[1] // 2 + 1, 0] = float("nan")
+    _check_one_experts_tokens_nan(x, w1, w2, tw, ti, dict(scales, w1_scale=s1), expert, path)
+
+
+@needs_fp8
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter reads fp8 0x7F as 480, not NaN (Triton 3.9)")
+@pytest.mark.parametrize("path", NAN_PATHS)
+def test_fp8_nan_byte_in_one_experts_w1_gives_nan_in_its_tokens_rows(path):
+    M, E = 6, 6
+    x, w1, w2, tw, ti, scales, _ = _fp8_problem(M, E, 200, 136, 3, "block", seed=4)
+    expert = int(ti[1, 0])
+    w1 = w1.clone()
+    w1.view(torch.uint8)[expert, 5, 70] = 0x7F  # e4m3fn's NaN, in a gate row
+    _check_one_experts_tokens_nan(x, w1, w2, tw, ti, scales, expert, path)
 
 
 @needs_fp8
