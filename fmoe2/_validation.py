@@ -15,10 +15,73 @@ import torch
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 
+_TRUE = ("1", "true", "on", "yes", "y")  # Triton's reading of a boolean variable (getenv_bool), any case
+
+
+def interpreter_requested() -> bool:
+    """Whether Triton would interpret a kernel decorated now: ``TRITON_INTERPRET`` read as Triton reads it
+    ("1", "true", "on", "yes" in any case; "0", "2" or " 1" are off). (os.environ, not Triton's knobs: torch.compile
+    traces this, and cannot trace Triton's C getenv.)"""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
+
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated (@triton.jit), so fmoe2's kernels, decorated when fmoe2
+# is imported (this module is imported with them), are interpreted or compiled by what it said then.
+INTERPRETER_AT_IMPORT = interpreter_requested()
+
 
 def interpreter_enabled() -> bool:
-    """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when fmoe2's kernels run under Triton's interpreter (on the CPU): ``TRITON_INTERPRET=1`` was set when
+    fmoe2 was imported and still is (:func:`check_interpreter_setting` refuses a setting changed since)."""
+    return INTERPRETER_AT_IMPORT and interpreter_requested()
+
+
+def check_interpreter_setting() -> None:
+    """Refuses a ``TRITON_INTERPRET`` changed since fmoe2 was imported: the kernels are what it said then, and
+    a kernel run of the other kind fails deep inside Triton ("0 active drivers" on a machine without a GPU)."""
+    now = interpreter_requested()
+    if now == INTERPRETER_AT_IMPORT:
+        return
+    if now:
+        raise ValueError(
+            "TRITON_INTERPRET=1 was set after fmoe2 was imported: Triton reads it when it decorates kernels, which "
+            "happens when fmoe2 is imported, so fmoe2's kernels were built for a GPU and cannot run under the "
+            "interpreter (on the CPU). Set TRITON_INTERPRET=1 in the environment before importing fmoe2 (in the "
+            "shell, or os.environ['TRITON_INTERPRET'] = '1' before the first `import fmoe2`, in a new process)")
+    raise ValueError(
+        "TRITON_INTERPRET was unset after fmoe2 was imported with TRITON_INTERPRET=1: fmoe2's kernels were decorated "
+        "for Triton's interpreter then. Keep TRITON_INTERPRET=1 set (it must be set before importing fmoe2), or "
+        "run GPU work in a new process without it")
+
+
+def interpreter_computes_wrong(dtype: torch.dtype) -> bool:
+    """Whether fmoe2's kernels would compute ``dtype`` wrong: bf16 under Triton's interpreter."""
+    return dtype == torch.bfloat16 and interpreter_enabled()
+
+
+BF16_UNDER_THE_INTERPRETER = (
+    "under the Triton interpreter (TRITON_INTERPRET=1, the CPU) bf16 kernel math is wrong: its bf16 tl.dot multiplies "
+    "raw bit patterns (triton-lang/triton#11584; relative errors of 1e11 were seen) and fp32->bf16 casts truncate")
+
+
+def check_interpreter_dtype(name: str, dtype: torch.dtype) -> None:
+    """Refuses bf16 kernel inputs under Triton's interpreter, which computes them wrong (``TypeError``)."""
+    if interpreter_computes_wrong(dtype):
+        raise TypeError(f"{name} is bfloat16, and {BF16_UNDER_THE_INTERPRETER}. Use float16 or float32 on the CPU "
+                        "(hidden_states and weights as .half() or .float()), or run bf16 on a GPU without "
+                        "TRITON_INTERPRET")
+
+
+def check_inference_only(**tensors) -> None:
+    """Refuses inputs that require gradients while grad mode is on (call it only then: ``torch.is_grad_enabled()``).
+    fmoe2 is inference-only: its output has no autograd graph, so a training step would silently get no
+    gradient through it. Non-tensors are skipped (validation names them)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad and grad mode is on, but fmoe2 is inference-only (no autograd): the output "
+                "would carry no gradient. Run it under torch.no_grad() or torch.inference_mode(), or pass "
+                f"{name}.detach(); to train, use a differentiable MoE implementation (e.g. fmoe2.fused_moe_reference)")
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -57,6 +120,7 @@ def check_same_device(reference_name: str, reference: torch.Tensor, **others) ->
         if t is not None and t.device != reference.device:
             raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
     dev = reference.device
+    check_interpreter_setting()
     if dev.type == "cpu" and not interpreter_enabled():
         raise ValueError(
             f"{reference_name} is on the CPU: fmoe2 kernels need a CUDA or ROCm GPU tensor; to run them on "

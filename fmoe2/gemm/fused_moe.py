@@ -17,7 +17,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..determinism import deterministic_enabled, fused_path_under_the_switch
-from .._validation import FLOAT_DTYPES, ID_DTYPES, check_out_overlaps, check_same_device, check_tensor, on_device
+from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_inference_only, check_interpreter_dtype, check_out_overlaps,
+                           check_same_device, check_tensor, on_device)
 from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..reference import ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
@@ -112,11 +113,27 @@ def fused_moe(
     Gate/up accumulate in fp32; the activated intermediate is rounded to the input dtype before
     the down GEMM. The partial results are added with atomics: into a float32 accumulator cast to
     ``out`` last on the fused path with 16-bit weights, into ``out`` in its dtype elsewhere
-    (``FusedMoEConfig.accumulate_fp32``; docs/numerics.md). With fp16,
-    values beyond 65504 in the intermediate or the output become inf: prefer bf16.
+    (``FusedMoEConfig.accumulate_fp32``; docs/numerics.md). With fp16, an intermediate value beyond 65504
+    becomes inf, which the down GEMM turns into NaN across that token's output row, and an output value beyond
+    65504 becomes inf: prefer bf16.
     No host synchronisation and no data-dependent shapes: safe to capture in a CUDA graph.
-    Inference only: no autograd.
+    Inference only: no autograd. In grad mode an input that requires grad raises a ``ValueError`` (the output
+    would carry no gradient); under ``torch.no_grad()`` / ``torch.inference_mode()`` it runs.
     """
+    if torch.is_grad_enabled():  # inference-only: refuse inputs that require grad (before the cached plan)
+        # (written out, no Python call: this is the whole cost of a grad-mode call whose inputs need no gradient;
+        # non-tensors read False here, validation names them)
+        prepared = isinstance(w1, PreparedMoEWeights)
+        w13, w2_t, b13, b2, s13, s2 = ((w1.w13, w1.w2, w1.b13, w1.b2, w1.s13, w1.s2) if prepared else
+                                       (w1, w2, w1_bias, w2_bias, w1_scale, w2_scale))
+        if (getattr(hidden_states, "requires_grad", False) or getattr(w13, "requires_grad", False)
+                or getattr(w2_t, "requires_grad", False) or getattr(topk_weights, "requires_grad", False)
+                or getattr(b13, "requires_grad", False) or getattr(b2, "requires_grad", False)
+                or getattr(s13, "requires_grad", False) or getattr(s2, "requires_grad", False)
+                or (lora is not None and (type(lora) is not PreparedMoELoRA or lora.a13.requires_grad
+                                          or lora.b13.requires_grad or lora.a2.requires_grad
+                                          or lora.b2.requires_grad or lora.scaling.requires_grad))):
+            check_no_grad_args(hidden_states, w1, w2, topk_weights, w1_bias, w2_bias, lora, w1_scale, w2_scale)
     if deterministic is None:
         deterministic = deterministic_enabled()
         if deterministic and path == "fused":
@@ -157,6 +174,22 @@ def fused_moe(
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
+
+def check_no_grad_args(hidden_states, w1, w2, topk_weights, w1_bias=None, w2_bias=None, lora=None, w1_scale=None,
+                       w2_scale=None):
+    """In grad mode: refuses tensor arguments that require grad (fmoe2 is inference-only), naming the first
+    (:func:`fused_moe` calls it when one may)."""
+    named = {"hidden_states": hidden_states}
+    if isinstance(w1, PreparedMoEWeights):
+        named.update((f"w1.{n}", getattr(w1, n, None)) for n in ("w13", "w2", "b13", "b2", "s13", "s2"))
+    else:
+        named["w1"] = w1
+    named.update(w2=w2, topk_weights=topk_weights, w1_bias=w1_bias, w2_bias=w2_bias, w1_scale=w1_scale,
+                 w2_scale=w2_scale)
+    if lora is not None:
+        named.update((f"lora.{n}", v) for n, v in getattr(lora, "__dict__", {}).items())
+    check_inference_only(**named)
+
 
 def check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype):
     """Checks the LoRA arguments of :func:`fused_moe`; returns ``lora`` (or None)."""
@@ -219,12 +252,14 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
     M, H = hidden_states.shape
     dtype = hidden_states.dtype
+    check_interpreter_dtype("hidden_states", dtype)  # (bf16 math is wrong under Triton's interpreter)
     if isinstance(w1, PreparedMoEWeights):
         if w2 is not None:
             raise ValueError("w2 must be None when w1 is a PreparedMoEWeights (it already holds the down weights)")
         if w1_scale is not None or w2_scale is not None or block_shape is not None:
             raise ValueError("w1_scale/w2_scale/block_shape go with plain fp8 weights; prepared weights carry their "
                              "scales (fmoe2.prepare_weights(w1, w2, w1_scale=..., w2_scale=..., block_shape=...))")
+        check_interpreter_dtype("w1", w1.dtype)
         if w1.dtype != dtype and not w1.fp8:
             raise TypeError(f"prepared weights have dtype {w1.dtype} but hidden_states has {dtype}")
         if w1.hidden_size != H:
@@ -252,6 +287,7 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
     else:
         # Any strides: transposed layouts (transformers' gpt-oss stores [E, H, 2I]) are read in place.
         check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
+        check_interpreter_dtype("w1", w1.dtype)
         if w1.dtype != dtype and w1.dtype not in FP8_DTYPES:
             raise TypeError(f"w1 must have the dtype of hidden_states ({dtype}) or an fp8 dtype {FP8_DTYPES}, got "
                             f"{w1.dtype}")

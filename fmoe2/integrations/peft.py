@@ -225,7 +225,9 @@ def stack_adapters(module, per_adapter: Sequence[Tuple[AdapterConfig, Dict[str, 
         r = config.rank
         for k, t in factors.items():
             target = tensors[k][index]
-            (target[:, :r] if k.endswith("_a") else target[..., :r]).copy_(t)
+            # (detached: fmoe2 runs the factors, it does not train them; in grad mode a factor that requires grad
+            # would make the stack require grad, which fmoe2.fused_moe refuses)
+            (target[:, :r] if k.endswith("_a") else target[..., :r]).copy_(t.detach())
     return MoELoRA(**tensors, scaling=[config.scaling for config, _ in per_adapter])
 
 

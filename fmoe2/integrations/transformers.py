@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed tran
     raise ImportError("fmoe2's transformers backend needs transformers >= 5.7 (its experts backends registry, "
                       "transformers.integrations.moe.ExpertsInterface): pip install 'fmoe2[transformers]'") from error
 
-from .._validation import interpreter_enabled
+from .._validation import BF16_UNDER_THE_INTERPRETER, interpreter_computes_wrong, interpreter_enabled
 from ..fp8 import FP8_DTYPES, FP8_GROUP
 from ..gemm.fused_moe import fused_moe
 from ..launch import tracing
@@ -168,12 +168,28 @@ def experts_spec(module) -> ExpertsSpec:
     return spec
 
 
-def _runtime_fallback_reason(weight, hidden_states) -> str:
-    """What any call needs whatever its weights' format: no gradients, and a GPU or the interpreter."""
-    if torch.is_grad_enabled() and (weight.requires_grad or hidden_states.requires_grad):
+def _requires_grad(module, hidden_states, top_k_weights) -> bool:
+    """Whether this call is part of a graph autograd will differentiate: in grad mode, the hidden states, the
+    routing weights (a trained router) or any of the module's parameters (weights, biases) require grad. (fmoe2
+    refuses such a call: its output would carry no gradient.)"""
+    if not torch.is_grad_enabled():
+        return False
+    if hidden_states.requires_grad or (top_k_weights is not None and top_k_weights.requires_grad):
+        return True
+    return any(p is not None and p.requires_grad for p in module._parameters.values())
+
+
+def _runtime_fallback_reason(module, hidden_states, top_k_weights=None) -> str:
+    """What any call needs whatever its weights' format: no gradients, a GPU or the interpreter, and no bf16
+    under the interpreter (fmoe2.fused_moe refuses each of these; its transformers fallback is right)."""
+    if _requires_grad(module, hidden_states, top_k_weights):
         return "gradients are required and fmoe2 is inference-only (run under torch.no_grad())"
     if hidden_states.device.type == "cpu" and not interpreter_enabled():
-        return "the model is on the CPU (fmoe2's kernels need a GPU, or TRITON_INTERPRET=1)"
+        return ("the model is on the CPU (fmoe2's kernels need a GPU, or TRITON_INTERPRET=1 set before fmoe2 is "
+                "imported)")
+    if interpreter_computes_wrong(hidden_states.dtype):
+        return (f"the model is bf16, and {BF16_UNDER_THE_INTERPRETER} (load it in float16 or float32 to run fmoe2 "
+                "on the CPU, or use a GPU)")
     return ""
 
 
@@ -184,15 +200,16 @@ def _weight(module, name: str) -> torch.Tensor:
     return weight if weight is not None else getattr(module, name)
 
 
-def call_fallback_reason(module, hidden_states, weight: Optional[torch.Tensor] = None) -> str:
+def call_fallback_reason(module, hidden_states, weight: Optional[torch.Tensor] = None,
+                         top_k_weights: Optional[torch.Tensor] = None) -> str:
     """Why this call cannot run on fmoe2 although the module can ("" when it can)."""
     weight = weight if weight is not None else _weight(module, "gate_up_proj")
     if hidden_states.dtype != weight.dtype:
         return f"hidden states ({hidden_states.dtype}) and expert weights ({weight.dtype}) differ in dtype"
-    return _runtime_fallback_reason(weight, hidden_states)
+    return _runtime_fallback_reason(module, hidden_states, top_k_weights)
 
 
-def fp8_call_fallback_reason(module, hidden_states) -> str:
+def fp8_call_fallback_reason(module, hidden_states, top_k_weights: Optional[torch.Tensor] = None) -> str:
     """Why this call of an fp8 experts module (transformers' ``FP8Experts``: e4m3 ``gate_up_proj``,
     ``down_proj`` and their ``*_scale_inv``) cannot run on fmoe2 ("" when it can)."""
     weight, scale = module.gate_up_proj, module.gate_up_proj_scale_inv
@@ -213,7 +230,7 @@ def fp8_call_fallback_reason(module, hidden_states) -> str:
         return f"this device's matrix instructions do not take {weight.dtype}"
     if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"hidden states of dtype {hidden_states.dtype}"
-    return _runtime_fallback_reason(weight, hidden_states)
+    return _runtime_fallback_reason(module, hidden_states, top_k_weights)
 
 
 _warned = set()
@@ -233,7 +250,7 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
     """The ``"fmoe2"`` experts backend: ``fmoe2.fused_moe`` on the module's parameters, in place."""
     spec = experts_spec(module)
     w1 = None if spec.fallback else _weight(module, "gate_up_proj")
-    reason = spec.fallback or call_fallback_reason(module, hidden_states, w1)
+    reason = spec.fallback or call_fallback_reason(module, hidden_states, w1, top_k_weights)
     # (set by fmoe2.integrations.peft as a plain attribute: in the instance dict, no __getattr__ miss)
     adapters = module.__dict__.get(ADAPTERS_ATTRIBUTE)
     lora = adapters.call_arguments(hidden_states) if adapters is not None else {}
@@ -261,7 +278,7 @@ def fmoe2_fp8_experts_forward(module, hidden_states: torch.Tensor, top_k_index: 
     DeepSeek-V3-style fp8 checkpoints): ``fmoe2.fused_moe`` on the e4m3 weights and their block (or
     per-expert) scales in place, activations quantized inside the kernels (``fmoe2/fp8.py``)."""
     spec = experts_spec(module)
-    reason = spec.fallback or fp8_call_fallback_reason(module, hidden_states)
+    reason = spec.fallback or fp8_call_fallback_reason(module, hidden_states, top_k_weights)
     if reason:
         return _fallback(module, reason, hidden_states, top_k_index, top_k_weights, _fp8_registry())
     block = getattr(module, "block_size", None)

@@ -35,6 +35,10 @@ def _logits(model, impl):
 def test_family_logits_match_eager(model_type):
     model = build(model_type, device=DEVICE)
     experts = experts_modules(model)
+    if not experts and model_type not in REQUIRED:
+        # (aria_text in transformers 5.17: the family exists, its MoE layer is not yet an experts module)
+        pytest.skip(f"{model_type} in transformers {transformers.__version__} has no experts module: its MoE layer "
+                    "does not go through the experts backends")
     assert experts, f"{model_type}: no experts module"
     eager = _logits(model, "eager")
     with warnings.catch_warnings():
@@ -209,6 +213,33 @@ def test_gradients_fall_back_to_transformers():
         logits = model(INPUT_IDS.to(DEVICE)).logits
     logits.sum().backward()
     assert all(m.gate_up_proj.grad is not None for m in experts_modules(model))
+
+
+@pytest.mark.parametrize("model_type,trained", [("qwen3_moe", "mlp.gate.weight"), ("gpt_oss", "experts.down_proj_bias")])
+def test_a_gradient_through_the_routing_weights_or_a_bias_alone_falls_back(model_type, trained):
+    # Frozen experts weights and a hidden state that needs no gradient (frozen embeddings), but a trained router
+    # (its gradient reaches it through the routing weights only) or a trained expert bias: fmoe2 must not run
+    # (its output would be detached: no gradient, silently), transformers' experts must.
+    model = build(model_type, device=DEVICE)
+    model.requires_grad_(False)
+    params = [p for n, p in model.named_parameters() if n.endswith(trained)]
+    assert params, trained
+    grads = {}
+    for impl in ("eager", "fmoe2"):
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = None
+        model.set_experts_implementation(impl)
+        backend._warned.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(INPUT_IDS.to(DEVICE)).logits.float().square().mean().backward()
+        ours = [str(w.message) for w in caught if "fmoe2 experts backend" in str(w.message)]
+        assert len(ours) == (impl == "fmoe2"), ours
+        assert all(p.grad is not None for p in params), impl
+        grads[impl] = torch.cat([p.grad.flatten() for p in params])
+    assert "fmoe2 is inference-only" in ours[0]
+    assert rel_error(grads["fmoe2"], grads["eager"]) <= FP32_TOL
 
 
 def test_registration_is_idempotent_and_validated_by_transformers():
