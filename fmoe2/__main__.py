@@ -16,7 +16,9 @@ import sys
 def _needs_interpreter() -> bool:
     import torch
 
-    return not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    from fmoe2._validation import interpreter_requested
+
+    return not torch.cuda.is_available() and not interpreter_requested()
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._validation import interpreter_requested
 from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
 from .gemm.config import deterministic_config, fit_fp8_config, fit_lora_config_to_problem, get_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, decode_launch,
@@ -151,17 +152,19 @@ def accumulator_reset_after_reads(ttgir: str) -> Optional[bool]:
     barrier that follows every such load before it: the one-launch decode's cast reads its accumulator row,
     then zeroes it, and the compiler may give the zeroing stores a thread layout of their own
     (docs/correctness.md). None where a kernel has no such load followed by such a store."""
-    zeros = set(re.findall(r"(%[\w.]+) = arith\.constant dense<0\.000000e\+00> : tensor<[0-9x]+xf32", ttgir))
+    name = r"%[\w.$#-]+"  # an SSA value (%cst_14, %v#1)
+    zeros = set(re.findall(rf"({name}) = arith\.constant dense<0\.000000e\+00> : tensor<[0-9x]+xf32", ttgir))
     last_read = barrier = None
     seen = False
     for number, line in enumerate(ttgir.splitlines()):
         if re.search(r"cache_?[mM]odifier = cg\b", line) and re.search(r"\b(tt\.load|amdg\.buffer_load)\b", line):
             last_read = number
-        elif re.search(r"\b(gpu\.barrier|ttg\.barrier)\b", line):
+        elif re.search(r"\b(gpu\.barrier|ttg\.barrier)\b", line) and "barrier local" not in line:
+            # (a barrier the compiler adds for shared memory only, "ttg.barrier local", orders no global memory)
             barrier = number
         else:
             # tt.store %pointers, %values (CUDA); amdg.buffer_store %values, %base[%offsets] (ROCm)
-            m = re.search(r"(?:tt\.store %[\w.]+, |amdg\.buffer_store )(%[\w.]+)[, ]", line)
+            m = re.search(rf"(?:tt\.store {name}, |amdg\.buffer_store )({name})[, ]", line)
             if m and m.group(1) in zeros and last_read is not None:
                 seen = True
                 if barrier is None or barrier < last_read:
@@ -407,7 +410,7 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     if a.fp8 and a.lora_rank:
         parser.error("--fp8 does not take --lora-rank: fp8 weights take no LoRA adapters yet")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreter_requested():
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     if a.shape in SHAPES:
         shape = SHAPES[a.shape]

@@ -210,8 +210,9 @@ def _quantize_rows(v, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NO
     # NaN propagates as through a 16-bit GEMM (tl.max, tl.maximum and tl.minimum drop it by default): a row
     # holding NaN gets the scale NaN and every element NaN; one holding +-inf gets the scale inf and NaN
     # where the inf was (inf * 0), so its products come out NaN too. Rows are independent. The row maximum
-    # is taken on the bits: non-negative floats order as their int32 patterns, and NaN (sign cleared by
-    # abs) lies above inf (a custom combine would do too, but runs element by element in the interpreter).
+    # is taken on the bits: non-negative floats order as their int32 patterns, and NaN (sign cleared by abs: an
+    # AND with 0x7fffffff on sm_90 and gfx942, Triton 3.9) lies above inf (a custom combine would do too, but runs
+    # element by element in the interpreter).
     amax = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
     amax = tl.where(amax == 0.0, 1.0, amax)
     limit = tl.full(amax.shape, FP8_MAX, tl.float32)

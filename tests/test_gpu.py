@@ -344,13 +344,13 @@ DECODE_GRID = [("gpt-oss-20b", "bf16", None), ("gpt-oss-20b", "bias", None), ("g
 
 @pytest.mark.parametrize("shape,variant,sizes", DECODE_GRID)
 def test_large_models_decode_right_on_every_call(shape, variant, sizes):
-    from fmoe2.bench.correctness import check_shape
+    from fmoe2.bench.correctness import ONE_LAUNCH_DECODE, check_shape
 
     records = check_shape(shape, variant, [1, 2, 3], repeats=5, seed=1, shape=sizes)
     failed = [(r["M"], r.get("error", "")[-600:], r.get("eager_errors"), r.get("graph_errors"), r.get("nonfinite"))
               for r in records if not r["ok"]]
     assert not failed, failed
-    assert any("decode (one launch)" in r["launches"] for r in records if r["M"] == 1), records
+    assert any(ONE_LAUNCH_DECODE in r["launches"] for r in records if r["M"] == 1), records
 
 
 def test_the_one_launch_decode_runs_alone_eagerly_and_graphs_keep_the_sort_path():

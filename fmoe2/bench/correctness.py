@@ -13,13 +13,15 @@ Every real model's expert sizes (``fmoe2.shapes.MODEL_SHAPES``) at every batch s
   ``expert_map`` (expert parallelism: odd experts' entries are dropped);
 * ``fp8``: block-wise (128 x 128) fp8 weights, prepared, against the reference with the same quantization.
 
-Each point runs ``repeats`` eager calls and ``repeats`` replays of one captured CUDA graph, each writing an
-output poisoned with NaN first (eager calls alternate between a given ``out`` and a fresh one), on fresh
-random inputs with softmax + top-k routing. It passes when every call is finite and within the relative L2
-bound of the float32 reference (``BOUND``: bf16 2.5e-2; fp8 2e-2 against the reference with the same
-quantization). A race shows as a call that differs
-from the others; ``spread`` is the largest relative L2 distance of a call of a point from its first (the float32
-atomic adds of the fused path sum in a varying order, so it is small but not zero there).
+Each point (bf16 ``x [M, H]``, float32 ``topk_weights`` and int64 ``topk_ids [M, topk]`` of softmax + top-k
+routing, fresh per point) runs ``repeats`` eager calls, alternately into an ``out`` poisoned with NaN and into
+one fused_moe allocates, and ``repeats`` replays of one captured CUDA graph, its output poisoned with NaN before
+each. It passes when every call is finite and within the relative L2 bound of the float32 reference (``BOUND``:
+bf16 2.5e-2; fp8 2e-2 against the reference with the same quantization). A race shows as a call that differs from
+the others; ``spread`` is the largest relative L2 distance of a call of a point from its first (the float32
+atomic adds of the fused path sum in a varying order, so it is small but not zero there). With top-1 routing
+(Llama-4-Scout) a token of the ``expert_map`` variant may route only to a dropped expert: its row must then come
+out exactly zero.
 
 Shapes run in worker processes (compiling dominates: up to ``--workers`` at a time, admitted while their
 estimated weight bytes fit in 80% of the GPU's memory). Writes the result (``provenance.py``) and a markdown
@@ -37,6 +39,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from .timing import capture_graph
+
 BATCHES = (1, 2, 3, 16, 128, 1024, 4096)
 VARIANTS = ("bf16", "bias", "expert_map", "fp8")
 # bf16: the tests' bound (REL_TOL). fp8, against the reference with the same quantization: the fused path adds its
@@ -45,9 +49,12 @@ VARIANTS = ("bf16", "bias", "expert_map", "fp8")
 # of 2026-11-27), against 3.5-6.0e-3 on the two-stage path. A dropped slot or slice is off by more than 0.1.
 BOUND = {"bf16": 2.5e-2, "fp8": 2e-2}
 FP8_BLOCK = (128, 128)
+ONE_LAUNCH_DECODE = "decode (one launch)"  # a point's launch list where eager calls ran the one-launch decode
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of ``out`` against ``ref`` (same shape, any float dtypes). A reference of zeros (a token
+    routed only to dropped experts) takes an output of exact zeros: anything else is off by ~1e30."""
     ref = ref.float()
     return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
@@ -105,7 +112,9 @@ def check_point(inputs: dict, M: int, H: int, topk: int, repeats: int, gen: torc
     topk_weights, topk_ids = torch.topk(scores, topk, dim=-1)
     w1, w2 = inputs["weights"]
     kwargs = inputs["kwargs"]
-    # fp8: the reference quantizes as the kernels do and rounds y to x's dtype; bf16: float32 throughout.
+    # bf16: float32 throughout. fp8: the reference quantizes as the kernels do, rounds y to x's dtype and returns
+    # x's dtype (bf16) too, so where the kernels add nothing up in another order (top-1 on the two-stage path) the
+    # two can agree to the bit.
     ref = fmoe2.fused_moe_reference(x if fp8 else x.float(), w1, w2, topk_weights, topk_ids, **kwargs,
                                     **inputs["reference"]).float()
     prepared = inputs.get("prepared")
@@ -117,24 +126,16 @@ def check_point(inputs: dict, M: int, H: int, topk: int, repeats: int, gen: torc
         return fmoe2.fused_moe(x, call_w1, call_w2, topk_weights, topk_ids, out=out, **kwargs)
 
     outs, errors, nonfinite = {"eager": [], "graph": []}, {"eager": [], "graph": []}, 0
-    for r in range(repeats):
+    for r in range(repeats):  # a NaN-poisoned out, then a fresh one (allocated by fused_moe), in turns
         out = torch.full((M, H), float("nan"), device="cuda", dtype=torch.bfloat16) if r % 2 == 0 else None
         out = call(out)
         torch.cuda.synchronize()
         outs["eager"].append(out.float())
     plan = plan_of(x, call_w1, call_w2, topk_weights, topk_ids, **kwargs)
-    launches = (["decode (one launch)"] if plan is not None and plan.alone is not None else []) + (
+    launches = ([ONE_LAUNCH_DECODE] if plan is not None and plan.alone is not None else []) + (
         plan.launch_names if plan is not None else [])
     static = torch.empty(M, H, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(static)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(static)
+    graph = capture_graph(lambda: call(static))
     for _ in range(repeats):
         static.fill_(float("nan"))
         graph.replay()
@@ -146,9 +147,9 @@ def check_point(inputs: dict, M: int, H: int, topk: int, repeats: int, gen: torc
     for mode in outs:
         for out in outs[mode]:
             nonfinite += int((~torch.isfinite(out)).sum().item())
-            errors[mode].append(_rel(out, ref))
+            errors[mode].append(relative_error(out, ref))
     everything = outs["eager"] + outs["graph"]
-    spread = max(_rel(out, everything[0]) for out in everything)
+    spread = max(relative_error(out, everything[0]) for out in everything)
     worst = {mode: max(errors[mode]) for mode in errors}
     return dict(M=M, eager_max_error=worst["eager"], graph_max_error=worst["graph"], eager_errors=errors["eager"],
                 graph_errors=errors["graph"], nonfinite=nonfinite, spread=spread, bound=bound, launches=launches,
@@ -181,7 +182,10 @@ def check_shape(name: str, variant: str, batches: Sequence[int], repeats: int, s
 
 
 def _estimated_bytes(name: str, variant: str) -> int:
-    """Peak GPU bytes of one (shape, variant): its weights, a prepared copy and the CUDA context."""
+    """Peak GPU bytes of one (shape, variant), roughly: its bf16 weights (3 * E * H * I elements) times what the
+    variant holds at once (bias: the plain weights and a prepared copy, with the reference's float32 expert; fp8:
+    fp8 weights, a prepared copy and the bf16 ones quantized from; expert_map: half the experts), and 2 GiB for
+    the CUDA context and the activations."""
     from fmoe2.shapes import ALL_SHAPES
 
     E, H, inter, _ = ALL_SHAPES[name]
@@ -191,7 +195,10 @@ def _estimated_bytes(name: str, variant: str) -> int:
 
 
 def _worker(name: str, variant: str, batches: Sequence[int], repeats: int) -> List[dict]:
-    return check_shape(name, variant, batches, repeats)
+    try:
+        return check_shape(name, variant, batches, repeats)
+    finally:  # (a worker process takes the next task: its cached blocks would count against the budget)
+        torch.cuda.empty_cache()
 
 
 def run_grid(shapes: Sequence[str], variants: Sequence[str], batches: Sequence[int], repeats: int,
@@ -203,18 +210,23 @@ def run_grid(shapes: Sequence[str], variants: Sequence[str], batches: Sequence[i
     import multiprocessing
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        running: Dict[object, int] = {}
+        running: Dict[object, tuple] = {}  # future -> (shape, variant)
         while tasks or running:
-            used = sum(running.values())
+            used = sum(_estimated_bytes(*task) for task in running.values())
             admitted = next((t for t in tasks if not running or used + _estimated_bytes(*t) <= budget), None)
             if admitted is not None and len(running) < workers:
                 tasks.remove(admitted)
-                running[pool.submit(_worker, *admitted, batches, repeats)] = _estimated_bytes(*admitted)
+                running[pool.submit(_worker, *admitted, batches, repeats)] = admitted
                 continue
             done, _ = wait(list(running), return_when=FIRST_COMPLETED)
             for future in done:
-                running.pop(future)
-                for record in future.result():
+                task = running.pop(future)
+                try:
+                    task_records = future.result()
+                except Exception:  # noqa: BLE001 - a worker that died: its points fail, the grid goes on
+                    task_records = [dict(shape=task[0], variant=task[1], M=M, ok=False,
+                                         error=traceback.format_exc(limit=3)) for M in batches]
+                for record in task_records:
                     records.append(record)
                     status = "ok" if record["ok"] else "FAILED"
                     print(f"{record['shape']:18s} {record['variant']:10s} M={record['M']:<5d} {status} "
@@ -229,12 +241,15 @@ def markdown(result: dict) -> str:
 
     records = result["records"]
     failed = [r for r in records if not r["ok"]]
+    seen = {("fp8" if r["variant"] == "fp8" else "bf16"): r["bound"] for r in records if "bound" in r}
+    bounds = ", ".join(f"{kind} {bound:.1e}" + (" (same-quantization reference)" if kind == "fp8" else "")
+                       for kind, bound in sorted(seen.items()))
     lines = [f"# Correctness grid, {result['device']}", "",
              provenance_line(result), "",
              f"{len(records)} points ({result['repeats']} eager calls and {result['repeats']} graph replays each, "
-             f"outputs poisoned with NaN before every call), {len(records) - len(failed)} passed, "
-             f"{len(failed)} failed. Bounds (relative L2 against the float32 reference): bf16 "
-             f"{BOUND['bf16']:.1e}, fp8 {BOUND['fp8']:.1e} (same-quantization reference).", "",
+             f"every output poisoned with NaN before the call but every other eager call's, which allocates its own), "
+             f"{len(records) - len(failed)} passed, {len(failed)} failed. Bounds (relative L2 against the float32 "
+             f"reference): {bounds}.", "",
              "Worst relative L2 error per shape and variant over every batch size, eager / graph (the batch size "
              "of the worst in brackets):", "",
              "| shape | " + " | ".join(result["variants"]) + " |",

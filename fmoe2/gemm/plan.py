@@ -22,6 +22,7 @@ config.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -29,7 +30,7 @@ import torch
 
 from .._validation import check_out_overlaps_at
 from ..buffers import BufferLayout
-from ..launch import BoundLaunch, bind_launches, direct_launches, raw_stream
+from ..launch import INTERPRETER_LOCK, BoundLaunch, bind_launches, direct_launches, raw_stream
 from ..sorting import checked_chunk_size
 from ..target import Target
 from .config import FusedMoEConfig
@@ -135,14 +136,16 @@ class MoEPlan:
         accumulator = kept_accumulator(device, stream, self.decode_numel)
         spec = launches.decode_launch(problem, topk_weights, topk_ids, self.activation, out, expert_map, self.config,
                                       self.target, accumulator)
-        try:
-            compiled = spec.launch()
-        except BaseException:
-            # Under the interpreter the programs run one after another on the host: an interrupted launch
-            # (KeyboardInterrupt) or a failed one may have added into the kept accumulator and counted adds without
-            # the last program's reset, which would spoil every later one-token call on this stream.
-            accumulator.zero_()
-            raise
+        # Under the interpreter the programs run one after another on the host: an interrupted launch
+        # (KeyboardInterrupt) or a failed one may have added into the kept accumulator and counted adds without the
+        # last program's reset, which would spoil every later one-token call on this stream. It is zeroed before
+        # another thread's launch may take the interpreter (an RLock: the launch takes it again inside).
+        with INTERPRETER_LOCK if self.target.interpreter else contextlib.nullcontext():
+            try:
+                compiled = spec.launch()
+            except BaseException:
+                accumulator.zero_()
+                raise
         if bind:
             sources = source_addresses(problem, topk_weights, topk_ids, out, expert_map)
             bound = bind_launches([spec], [compiled], sources + [accumulator.data_ptr()])

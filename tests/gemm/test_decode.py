@@ -300,3 +300,59 @@ def test_calls_from_several_threads_at_once_stay_right(launched):
     _assert_kept_accumulators_zero()
     x, w1, w2, tw, ti = _problem(E=10, topk=8, seed=30)
     assert_matches_reference(fused_moe(x, w1, w2, tw, ti, config=SMALL), x, w1, w2, tw, ti)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a launch interrupted midway exists under the interpreter only")
+def test_an_interrupted_call_does_not_spoil_another_threads_waiting_call(monkeypatch, launched):
+    # The interrupted launch's accumulator is zeroed before the interpreter is free again: a second thread's
+    # one-token call that waited for it starts from zeros, and its own adds are not wiped halfway.
+    import threading
+    import time
+
+    from fmoe2.gemm import fused_moe_kernel
+
+    original, calls, started = fused_moe_kernel._cast_finished_rows, [], threading.Event()
+    interrupted_thread = threading.current_thread()
+
+    def interrupted(*args, **kwargs):
+        if threading.current_thread() is interrupted_thread:
+            calls.append(1)
+            started.set()
+            if len(calls) == 3:
+                time.sleep(0.5)  # the other thread is waiting for the interpreter by now
+                raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe_kernel, "_cast_finished_rows", interrupted)
+    # The zeroing must happen while this thread still holds the interpreter (else the waiting thread may be
+    # adding into the accumulator by then: a matter of thread scheduling, so checked directly).
+    from fmoe2.gemm import plan as plan_module
+    from fmoe2.launch import INTERPRETER_LOCK
+
+    kept, zeroed_holding = plan_module.kept_accumulator, []
+
+    def watched(*args):
+        accumulator = kept(*args)
+        if threading.current_thread() is interrupted_thread:
+            real_zero = accumulator.zero_
+            accumulator.zero_ = lambda: (zeroed_holding.append(INTERPRETER_LOCK._is_owned()), real_zero())[1]
+        return accumulator
+
+    monkeypatch.setattr(plan_module, "kept_accumulator", watched)
+    other = _problem(E=10, topk=8, seed=11)
+    result = {}
+
+    def waiting_call():
+        started.wait()
+        result["out"] = fused_moe(*other, config=SMALL)
+
+    thread = threading.Thread(target=waiting_call)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        fused_moe(*_problem(E=10, topk=8, seed=10), config=SMALL)
+    thread.join()
+    assert zeroed_holding == [True]
+    assert_matches_reference(result["out"], *other)
+    for accumulator in kept_accumulators().values():
+        accumulator.__dict__.pop("zero_", None)
+    _assert_kept_accumulators_zero()

@@ -1,6 +1,7 @@
 """fused_moe against the float64 reference (CPU interpreter in fp16/fp32, or the GPU), edge
 cases, expert parallelism, prepared weights, configs and argument checks."""
 import importlib
+import os
 from dataclasses import replace
 
 import pytest
@@ -216,11 +217,19 @@ def test_prepared_weights_must_match_input():
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU-without-interpreter case")
-def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    x, w1, w2, tw, ti = _args()
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        fused_moe(x, w1, w2, tw, ti)
+def test_cpu_tensors_without_interpreter_are_refused():
+    # In a process that imported fmoe2 without the interpreter (this one imported it with: changing the variable
+    # now is refused for another reason, tests/test_interpreter_guard.py).
+    import subprocess
+    import sys
+
+    code = ("import torch, fmoe2\n"
+            "x, w1, w2 = torch.randn(3, 32).half(), torch.randn(4, 32, 32).half(), torch.randn(4, 32, 16).half()\n"
+            "tw, ti = torch.topk(torch.randn(3, 4).softmax(-1), 2)\n"
+            "try:\n    fmoe2.fused_moe(x, w1, w2, tw, ti)\nexcept ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "hidden_states is on the CPU" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_a_callers_config_is_fitted_like_a_picked_one(monkeypatch):
