@@ -24,6 +24,7 @@ re-packs them and asks for no scratch (measured: docs/host_cost.md).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import threading
@@ -116,17 +117,21 @@ class LaunchSpec:
 
     def launch(self):
         """Launches through Triton's JIT; returns what it returns (the compiled kernel on GPUs). Under the
-        Triton interpreter one launch runs at a time (:data:`INTERPRETER_LOCK`)."""
-        if interpreter_enabled():
-            with INTERPRETER_LOCK:
-                return self.kernel[self.grid](**self.args, **self.constexprs, **self.options)
-        return self.kernel[self.grid](**self.args, **self.constexprs, **self.options)
+        Triton interpreter one launch runs at a time (:func:`interpreter_turn`)."""
+        with interpreter_turn():
+            return self.kernel[self.grid](**self.args, **self.constexprs, **self.options)
 
 
 # The Triton interpreter runs a launch's programs one after another through module-level state (the program id
 # it is at, among others), which two threads' launches at once would share: measured, concurrent calls failed
 # with unrelated errors or returned wrong outputs (issue 44). Launches of fmoe2's kernels under it take turns.
 INTERPRETER_LOCK = threading.RLock()
+
+
+def interpreter_turn():
+    """A context holding :data:`INTERPRETER_LOCK` under the Triton interpreter (re-entrant: a launch inside takes it
+    again), and nothing on a GPU, where launches go to streams in order."""
+    return INTERPRETER_LOCK if interpreter_enabled() else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,6 +379,6 @@ def run_bound(launches: Sequence[BoundLaunch], sources: Sequence[int], scratch_b
     return block
 
 
-__all__ = ["LaunchSpec", "BoundLaunch", "DevicePointer", "PlanCache", "bind_launches", "direct_launcher",
+__all__ = ["LaunchSpec", "BoundLaunch", "INTERPRETER_LOCK", "interpreter_turn", "DevicePointer", "PlanCache", "bind_launches", "direct_launcher",
            "descriptor_expansion", "set_launch_mode", "launch_mode",
            "raw_stream", "run_bound", "launch_hooks_set", "direct_launches", "LAUNCH_MODES"]

@@ -3,8 +3,8 @@ correctness grid.
 
 ``SHAPES`` are the benchmark's defaults; ``MORE_SHAPES`` it runs when named (``--shapes``), with the
 options of their experts' computation in ``SHAPE_OPTIONS`` (what fused_moe and the baseline take
-besides the default SwiGLU without biases). ``MODEL_SHAPES``: the real models' expert sizes (their
-published configs; DESIGN notes), which the correctness grid (``fmoe2/bench/correctness.py``) covers.
+besides the default SwiGLU without biases). ``ALL_SHAPES``: every named shape, each a real model's expert sizes
+(their published configs; DESIGN notes), all of which the correctness grid (``fmoe2/bench/correctness.py``) covers.
 """
 SHAPES = {
     "mixtral-8x7b": (8, 4096, 14336, 2),
@@ -21,8 +21,6 @@ MORE_SHAPES = {
     "llama-4-scout": (16, 5120, 8192, 1),
 }
 ALL_SHAPES = {**SHAPES, **MORE_SHAPES}
-MODEL_SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v2-lite", "deepseek-v3", "gpt-oss-20b",
-                "gpt-oss-120b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b", "llama-4-scout")
 # biases: gate/up and down biases; the rest are fused_moe keyword arguments.
 SHAPE_OPTIONS = {
     "gpt-oss-20b": dict(activation="swiglu_oai", swiglu_limit=7.0, biases=True),

@@ -100,18 +100,27 @@ def try_vllm():
     return fused_experts
 
 
-def make_weights(name, shape, gen):
-    """Random bf16 expert weights of a benchmark shape: ``w1 [E, 2I, H]``, ``w2 [E, H, I]``, the shape's
-    own computation (``SHAPE_OPTIONS``: activation, clamp) as ``fused_moe`` keywords, its biases (a dict
-    of ``w1_bias``/``w2_bias``, or empty) and the weights prepared with them."""
-    E, H, I, topk = shape
+def random_weights(E, H, I, gen):
+    """Random bf16 expert weights ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` on the GPU, scaled so every stage is O(1)."""
     w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
+    return w1, w2
+
+
+def random_biases(E, H, I, gen):
+    """Random bf16 biases ``{"w1_bias": [E, 2I], "w2_bias": [E, H]}`` on the GPU, small beside the products."""
+    return dict(w1_bias=torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1,
+                w2_bias=torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1)
+
+
+def make_weights(name, shape, gen):
+    """Random bf16 expert weights of a benchmark shape (:func:`random_weights`), the shape's own computation
+    (``SHAPE_OPTIONS``: activation, clamp) as ``fused_moe`` keywords, its biases (:func:`random_biases`, or an
+    empty dict) and the weights prepared with them."""
+    E, H, I, topk = shape
+    w1, w2 = random_weights(E, H, I, gen)
     options = dict(SHAPE_OPTIONS.get(name, {}))
-    biases = {}
-    if options.pop("biases", False):
-        biases = dict(w1_bias=torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1,
-                      w2_bias=torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1)
+    biases = random_biases(E, H, I, gen) if options.pop("biases", False) else {}
     return w1, w2, options, biases, fmoe2.prepare_weights(w1, w2, **biases)
 
 

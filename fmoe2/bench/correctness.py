@@ -4,7 +4,7 @@
                                       [--variants bf16,bias,expert_map,fp8] [--repeats 5] [--workers 6]
                                       [--out misc/bench/correctness/<device>.json]
 
-Every real model's expert sizes (``fmoe2.shapes.MODEL_SHAPES``) at every batch size, in four variants:
+Every real model's expert sizes (``fmoe2.shapes.ALL_SHAPES``) at every batch size, in four variants:
 
 * ``bf16``: plain bf16 weights, the model's activation (gpt-oss: swiglu_oai with its limit), no biases;
 * ``bias``: prepared bf16 weights with gate/up and down biases (gpt-oss: gate/up rows interleaved as it
@@ -30,7 +30,6 @@ report with the worst error per shape, per variant and mode.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import traceback
@@ -59,33 +58,28 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _weights(E: int, H: int, inter: int, gen: torch.Generator):
-    w1 = torch.randn(E, 2 * inter, H, device="cuda", generator=gen, dtype=torch.bfloat16) / math.sqrt(H)
-    w2 = torch.randn(E, H, inter, device="cuda", generator=gen, dtype=torch.bfloat16) / math.sqrt(inter)
-    return w1, w2
-
-
 def point_inputs(variant: str, name: str, shape, gen: torch.Generator) -> dict:
     """The weights and ``fused_moe`` keywords of one (shape, variant), and ``E_route``: the experts routed over."""
     import fmoe2
     from fmoe2.shapes import SHAPE_OPTIONS
+
+    from .__main__ import random_biases, random_weights
 
     E, H, inter, topk = shape
     options = dict(SHAPE_OPTIONS.get(name, {}))
     options.pop("biases", None)
     if variant == "expert_map":
         local = (E + 1) // 2  # the even experts
-        w1, w2 = _weights(local, H, inter, gen)
+        w1, w2 = random_weights(local, H, inter, gen)
         expert_map = torch.full((E,), -1, dtype=torch.int32, device="cuda")
         expert_map[0::2] = torch.arange(local, dtype=torch.int32, device="cuda")
         return dict(weights=(w1, w2), kwargs=dict(options, expert_map=expert_map), reference=dict(), E_route=E)
-    w1, w2 = _weights(E, H, inter, gen)
+    w1, w2 = random_weights(E, H, inter, gen)
     if variant == "bf16":
         return dict(weights=(w1, w2), kwargs=options, reference=dict(), E_route=E)
     if variant == "bias":
         interleaved = options.get("activation") == "swiglu_oai"  # gpt-oss stores g0, u0, g1, u1, ...
-        w1_bias = torch.randn(E, 2 * inter, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.1
-        w2_bias = torch.randn(E, H, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.1
+        w1_bias, w2_bias = random_biases(E, H, inter, gen).values()
         if interleaved:
             w1 = torch.stack([w1[:, :inter], w1[:, inter:]], dim=2).reshape(E, 2 * inter, H)
             w1_bias = torch.stack([w1_bias[:, :inter], w1_bias[:, inter:]], dim=2).reshape(E, 2 * inter)
@@ -107,6 +101,7 @@ def check_point(inputs: dict, M: int, H: int, topk: int, repeats: int, gen: torc
     import fmoe2
     from fmoe2.gemm.fused_moe import plan_of
 
+    # (int64 ids, not make_inputs' int32 of the benchmarks: the grid covers the other id dtype)
     x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
     scores = torch.randn(M, inputs["E_route"], device="cuda", generator=gen).softmax(dim=-1)
     topk_weights, topk_ids = torch.topk(scores, topk, dim=-1)
@@ -279,13 +274,13 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     from fmoe2.gemm.config import device_config_name
-    from fmoe2.shapes import ALL_SHAPES, MODEL_SHAPES
+    from fmoe2.shapes import ALL_SHAPES
 
     from .provenance import run_record, write_result
 
     p = argparse.ArgumentParser(prog="python -m fmoe2.bench.correctness", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="all", help=f"comma-separated names from {sorted(ALL_SHAPES)}, or all "
-                                                   f"(the real models': {','.join(MODEL_SHAPES)})")
+                                                   "(every named shape)")
     p.add_argument("--m", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated from {VARIANTS}")
     p.add_argument("--repeats", type=int, default=5)
@@ -294,7 +289,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("the correctness grid runs on a GPU (the CPU tests cover small shapes under the interpreter)")
-    shapes = list(MODEL_SHAPES) if a.shapes == "all" else a.shapes.split(",")
+    shapes = list(ALL_SHAPES) if a.shapes == "all" else a.shapes.split(",")
     unknown = [s for s in shapes if s not in ALL_SHAPES]
     variants = a.variants.split(",")
     if unknown or any(v not in VARIANTS for v in variants):

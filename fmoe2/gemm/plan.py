@@ -22,7 +22,6 @@ config.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -30,7 +29,7 @@ import torch
 
 from .._validation import check_out_overlaps_at
 from ..buffers import BufferLayout
-from ..launch import INTERPRETER_LOCK, BoundLaunch, bind_launches, direct_launches, raw_stream
+from ..launch import BoundLaunch, bind_launches, direct_launches, interpreter_turn, raw_stream
 from ..sorting import checked_chunk_size
 from ..target import Target
 from .config import FusedMoEConfig
@@ -140,7 +139,7 @@ class MoEPlan:
         # (KeyboardInterrupt) or a failed one may have added into the kept accumulator and counted adds without the
         # last program's reset, which would spoil every later one-token call on this stream. It is zeroed before
         # another thread's launch may take the interpreter (an RLock: the launch takes it again inside).
-        with INTERPRETER_LOCK if self.target.interpreter else contextlib.nullcontext():
+        with interpreter_turn():
             try:
                 compiled = spec.launch()
             except BaseException:
