@@ -11,7 +11,7 @@ two more: the activations are quantized per token and group of 128 by a separate
 each GEMM (vLLM's ``per_token_group_quant_fp8``), and the GEMMs read fp8 A and B with their scales. The align step is fmoe2's sorting kernel with
 ``EXPANDED_IDS`` (same cost model as vLLM's single-kernel align, no output zeroing); the GEMM is a
 grouped GEMM over (expert tile, N block) programs in grouped launch order, like vLLM's
-``fused_moe_kernel`` (``fmoe2/gemm/grouped_gemm_kernel.py``, shared with fmoe2's two-stage path). Its configs are picked from the same kind of search space as fmoe2's.
+``fused_moe_kernel`` (``fmoe2/bench/grouped_gemm.py``, built from the K loops of fmoe2's stage 2). Its configs are picked from the same kind of search space as fmoe2's.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_GROUP, _quantize_rows, fp8_constexprs
-from ..gemm.fused_moe_kernel import _gated_activation
-from ..gemm.grouped_gemm_kernel import _grouped_gemm_kernel
-from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
+from ..gemm.activations import _gated_activation
+from ..sorting import MoESortingResult, launch_moe_sorting
+from .grouped_gemm import gathered_gemm
 
 
 @dataclass(frozen=True)
@@ -112,23 +112,9 @@ def per_token_group_quant(v: torch.Tensor, fp8_dtype: torch.dtype):
 
 def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, cfg: GroupedGemmConfig,
                   bias=None, a_scale=None, b_scale=None, scale_block=None):
-    E, N, K = b.shape
-    num_grid_tiles = max_busy_tiles(num_entries, E, cfg.BLOCK_M)
-    grid = (num_grid_tiles * triton.cdiv(N, cfg.BLOCK_N),)
-    bias_args = dict(bias_ptr=bias, stride_bias_e=bias.stride(0), HAS_BIAS=True) if bias is not None else {}
-    fp8_args = {}
-    if a_scale is not None:  # fp8 A (quantized beforehand) and B with their scales
-        strides = [st if size > 1 else 0 for size, st in zip(b_scale.shape, b_scale.stride())]
-        fp8_args = dict(a_scale_ptr=a_scale, stride_as_m=a_scale.stride(0), b_scale_ptr=b_scale,
-                        stride_bs_e=strides[0], stride_bs_n=strides[1], stride_bs_k=strides[2], A_FP8=2,
-                        SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1])
-    _grouped_gemm_kernel[grid](
-        a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights,
-        None, None, 0, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        GATHER_A=True, A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=False,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, stride_b_k=b.stride(2), **bias_args, **fp8_args,
-        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    gathered_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, False, cfg.BLOCK_M,
+                  cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.num_warps, cfg.num_stages, bias, a_scale, b_scale,
+                  scale_block)
 
 
 def _align(x, w1, topk_weights, topk_ids, block_m: int):

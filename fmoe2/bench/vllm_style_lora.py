@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..gemm.grouped_gemm_kernel import _grouped_gemm_kernel
+from .grouped_gemm import gathered_gemm
 from ..gemm.lora import MoELoRA, padded_rank
 from ..sorting import MoESortingResult, launch_moe_sorting, max_busy_tiles
 from .vllm_style import GroupedGemmConfig, vllm_style_fused_experts
@@ -79,16 +79,8 @@ def default_lora_configs(num_entries: int, num_loras: int, num_experts: int) -> 
 def _lora_gemm(a, b, c, sorting, weights, num_entries, a_row_divisor, mul_weight, add, block_m, block_n, block_k,
                cfg: LoRAKernelConfigs):
     """``c[id] = a[id // divisor] @ b[adapter*E+expert]^T`` (or ``+=`` with ``add``) over the adapter tiles."""
-    num_keys, N, K = b.shape
-    num_grid_tiles = max_busy_tiles(num_entries, num_keys, block_m)
-    grid = (num_grid_tiles * triton.cdiv(N, block_n),)
-    _grouped_gemm_kernel[grid](
-        a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, weights,
-        None, None, 0, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        GATHER_A=True, A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=add,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    gathered_gemm(a, b, c, sorting, weights, num_entries, a_row_divisor, mul_weight, add, block_m, block_n, block_k, 1,
+                  cfg.num_warps, cfg.num_stages)
 
 
 class LoRASteps:

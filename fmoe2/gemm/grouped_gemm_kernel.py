@@ -1,27 +1,28 @@
-"""Grouped GEMM over sorted expert tiles: ``C[rows] (+)= A[rows] @ B[expert]^T``.
+"""Stage 2 of the two-stage path: ``out[token] += y[sorted row] @ w2[expert]^T`` over sorted expert tiles.
 
-One kernel, two users:
+A = the activated intermediate ``y`` in sorted order (row = sorted position, routing weight already applied),
+B = ``w2`` [E, N(_pad), K(_pad)] (N = H, K = I), output rows = token ids, added with relaxed atomics into the
+output the sort zeroed (``topk`` adds per element, times ``SPLIT_K``: with SPLIT_K > 1 the programs of one output
+tile each take a share of K, which at decode sizes gives more, shorter programs). In deterministic mode ids are
+``token * topk + slot`` and each row is stored (no atomics, ATOMIC_OUTPUT=False) into its own row of a ``[M *
+topk, H]`` buffer, which ``combine_kernel.py`` then sums over the slots in a fixed order.
 
-* fmoe2's two-stage path, stage 2: A = the activated intermediate ``y`` in sorted order
-  (row = sorted position, routing weight already applied), B = ``w2``, output rows = token ids,
-  added with relaxed atomics into the output the sort zeroed (``topk`` adds per element, times
-  ``SPLIT_K``: with SPLIT_K > 1 the programs of one output tile each take a share of K, which at
-  decode sizes gives more, shorter programs);
-* fmoe2's deterministic mode, stage 2: as above, but ids are ``token * topk + slot`` and each row is
-  stored (no atomics) into its own row of a ``[M * topk, H]`` buffer, which
-  ``fmoe2/gemm/combine_kernel.py`` then sums over the slots in a fixed order;
-* the benchmark's vLLM-style baseline: A gathered by expanded id (``x[id // topk]`` or
-  ``cache2[id]``), output stored at row ``id``, optionally times ``topk_weights[id]``.
+| entry | launch (``launches.stage2_kernel_launch``) |
+|---|---|
+| ``_stage2_kernel`` | 16-bit weights; A and B through tensor descriptors where given (``FusedMoEConfig.tma``, Hopper's bulk tensor copy engine) |
+| ``_stage2_lora_kernel`` | the same, adding the down deltas of the rows' adapters (where the two stages compute them) |
+| ``_stage2_fp8_kernel`` | fp8 weights; y quantized here per row and K step, or stored fp8 by stage 1 with its scales |
 
-Given tensor descriptors (fmoe2's stage 2 with ``FusedMoEConfig.tma``), B tiles and A tiles (A
-not gathered) come through them (Hopper's bulk tensor copy engine) instead of pointer loads.
+With adapters (``lora_in_stages`` in ``fmoe2/gemm/config.py``) the programs of the first K share add the down
+deltas of their rows after the K loop: stage 1 stored each I slice's partial down shrink ``y_slice @ A2[adapter,
+:, slice]^T`` per row; they are summed here and expanded with ``B2t[adapter, :, N block]`` into the accumulator,
+before its one atomic add. (Shrinking inside this K loop instead was slower:
+docs/lora.md#the-down-shrink-inside-the-stage-2-k-loop.)
 
-With ``HAS_LORA`` (fmoe2's stage 2 where the two stages compute the adapter deltas themselves, see
-``lora_in_stages`` in ``fmoe2/gemm/config.py``) the programs of the first K share also add the
-down deltas of their rows after the K loop: stage 1 stored each I slice's partial down shrink
-``y_slice @ A2[adapter, :, slice]^T`` per row; they are summed here and expanded with
-``B2t[adapter, :, N block]`` into the accumulator, before its one atomic add. (Shrinking inside
-this K loop instead was slower: docs/lora.md#the-down-shrink-inside-the-stage-2-k-loop.)
+The K loops and epilogues are ``@triton.jit`` helpers the benchmark's vLLM-style baseline builds its own entry
+from (``fmoe2/bench/grouped_gemm.py``). Grids: ``(SPLIT_K * num_grid_tiles * cdiv(N, BLOCK_N),)``, grouped order
+over (tile, N block), K shares slowest; programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at
+once.
 """
 import triton
 import triton.language as tl
@@ -29,178 +30,265 @@ import triton.language as tl
 from ..fp8 import _quantize_rows
 from ..grid_dependency import gdc_wait
 from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
+from .tiles import _grouped_program, _tile_expert
 
 
 @triton.jit
-def _grouped_gemm_kernel(
-    a_ptr,  # [num_a_rows, K]
-    b_ptr,  # [E, N(_pad), K(_pad)]
-    c_ptr,  # [num_c_rows, N]
-    sorted_ids_ptr,  # [num_grid_tiles * BLOCK_M] int32 ids (token or expanded), padding >= num_valid_ids
-    expert_ids_ptr,  # [max_tiles] int32
-    num_sorted_tiles_ptr,  # [1] int32
-    topk_weights_ptr,  # [num_valid_ids] float32 (read only if MUL_ROUTED_WEIGHT)
-    a_desc,  # None, or a tensor descriptor of A [num_a_rows, K], block [BLOCK_M, BLOCK_K] (not with GATHER_A)
-    b_desc,  # None, or a tensor descriptor of B viewed [E * b_rows_per_expert, K(_pad)], block [BLOCK_N, BLOCK_K]
-    b_rows_per_expert,  # B.shape[1] (read with b_desc only)
-    num_valid_ids,
-    N,
-    K,
-    num_grid_tiles,
-    # strides
-    stride_a_m,
-    stride_b_e,
-    stride_b_n,
-    stride_c_m,
-    # meta-parameters
-    GATHER_A: tl.constexpr,  # A row = id // A_ROW_DIVISOR (else the sorted position)
-    A_ROW_DIVISOR: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr,
-    ATOMIC_OUTPUT: tl.constexpr,  # relaxed atomic add at row id (else a store)
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
-    SPLIT_K: tl.constexpr = 1,  # programs per (tile, N block), each over a share of K (ATOMIC_OUTPUT only)
-    # Down deltas of multi-LoRA (HAS_LORA; fmoe2's stage 2 only: ids are token ids, A is y in sorted order):
-    token_lora_ids_ptr=None,  # [M] int32 adapter per token, -1 = none
-    lora_shrink_ptr=None,  # [num_shrink_splits, num_grid_tiles * BLOCK_M, LORA_RANK] fp32: stage 1's partial shrinks
-    lora_b_ptr=None,  # B2t [L, E, LORA_RANK, N_pad]
-    lora_scaling_ptr=None,  # [L] float32
-    num_lora_tokens_ptr=None,  # [1] int32: tokens with an adapter (from the sort)
-    num_loras=0,
-    num_shrink_splits=0,  # I slices of stage 1
-    stride_shrink_split=0,
-    stride_lb_l=0,
-    stride_lb_e=0,
-    stride_lb_r=0,
-    HAS_LORA: tl.constexpr = False,
-    LORA_RANK: tl.constexpr = 16,  # padded rank
-    LORA_IDS: tl.constexpr = 1,  # next_pow2(num_loras)
-    LORA_SLOTS: tl.constexpr = 1,  # adapters of one tile stacked into one operand
-    LORA_SPLITS_PER_STEP: tl.constexpr = 1,  # partial shrinks loaded per step of their sum
-    stride_b_k=1,  # B's stride along K: 1 (a constant) but for transposed weights read in place
-    # Bias of B's outputs (HAS_BIAS), added once per row by the first K share: [E, N(_pad)]; with
-    # SCALE_BIAS_BY_ROW_WEIGHT times the row's weight row_weights_ptr[sorted row] (fmoe2's stage 2, whose A
-    # carries the routing weight already), else before MUL_ROUTED_WEIGHT's multiply (the baseline).
-    bias_ptr=None,
-    stride_bias_e=0,
-    row_weights_ptr=None,  # [num_grid_tiles * BLOCK_M] float32 in sorted-row order (SCALE_BIAS_BY_ROW_WEIGHT)
-    HAS_BIAS: tl.constexpr = False,
-    SCALE_BIAS_BY_ROW_WEIGHT: tl.constexpr = False,
-    # fp8 B (fmoe2/fp8.py): B's scales [E, Sn, Sk] (stride 0 along a dimension of size 1), the scale of
-    # B[e, n, k] at [e, n // SCALE_BLOCK_N, k // SCALE_BLOCK_K]; A_FP8 = 1: A tiles are quantized here per row
-    # (BLOCK_K = one activation group), 2: A is fp8 already with scales a_scale_ptr[A row, k // BLOCK_K]
-    # (the baseline's separate quantization launch).
-    b_scale_ptr=None,
-    stride_bs_e=0,
-    stride_bs_n=0,
-    stride_bs_k=0,
-    a_scale_ptr=None,
-    stride_as_m=0,
-    A_FP8: tl.constexpr = 0,
-    FP8_MAX: tl.constexpr = 448.0,
-    SOFT_FP8_ROUNDING: tl.constexpr = False,
-    FP8_MIN_NORMAL: tl.constexpr = 0.015625,
-    FP8_SUBNORMAL_STEP: tl.constexpr = 0.001953125,
-    SCALE_BLOCK_N: tl.constexpr = 1,
-    SCALE_BLOCK_K: tl.constexpr = 128,
-    IDS_PER_TOKEN: tl.constexpr = 1,  # HAS_LORA: a row's token (for its adapter) is id // IDS_PER_TOKEN
-):
-    """Grid: (SPLIT_K * num_grid_tiles * cdiv(N, BLOCK_N),), grouped order over (tile, N block),
-    K shares slowest; programs past ``num_sorted_tiles`` or on a gap tile (expert -1) exit at once."""
-    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
-    tl.static_assert(not HAS_LORA or not GATHER_A, "LoRA deltas: fmoe2's stage 2 only")
-    if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
-        gdc_wait()
-    pid = tl.program_id(0)
+def _k_share_program(pid, num_grid_tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    """``(tile, n_block, k_first, k_end)`` of program ``pid``: K shares slowest, (tile, N block) grouped."""
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps of each share
     k_first = (pid // (num_grid_tiles * num_n_blocks)) * k_steps * BLOCK_K
     k_end = tl.minimum(K, k_first + k_steps * BLOCK_K)
-    pid = pid % (num_grid_tiles * num_n_blocks)
-    programs_per_group = GROUP_M * num_n_blocks
-    first_tile = (pid // programs_per_group) * GROUP_M
-    group_tiles = tl.minimum(num_grid_tiles - first_tile, GROUP_M)
-    tile = first_tile + (pid % programs_per_group) % group_tiles
-    n_block = (pid % programs_per_group) // group_tiles
-    if tile >= tl.load(num_sorted_tiles_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + tile).to(tl.int64)
-    if expert < 0:  # a gap tile of the sorted layout
-        return
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_id = tl.load(sorted_ids_ptr + offs_m)
-    row_valid = row_id < num_valid_ids
-    row_id = row_id.to(tl.int64)
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
+    tile, n_block = _grouped_program(pid % (num_grid_tiles * num_n_blocks), num_grid_tiles, num_n_blocks, GROUP_M)
+    return tile, n_block, k_first, k_end
+
+
+@triton.jit
+def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, n_valid, stride_b_k, k_first, k_end,
+                     K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``A[rows] @ B[expert, N block]^T`` over K in ``[k_first, k_end)``, fp32 [BLOCK_M, BLOCK_N]; ``a_rows``
+    [BLOCK_M, 1] and ``b_rows`` [BLOCK_N, 1] pointers, or tensor descriptors (None: pointer loads) at rows
+    ``a_row0`` and ``b_row0`` (B's rows past this expert's N belong to the next expert: masked at the store;
+    A's past the descriptor's end read as zero)."""
     offs_k = tl.arange(0, BLOCK_K)
-    if GATHER_A:
-        a_row = row_id // A_ROW_DIVISOR
-    else:
-        a_row = offs_m.to(tl.int64)
-    a_rows = a_ptr + a_row[:, None] * stride_a_m
-    if A_FP8 > 0:
-        bs_rows = b_scale_ptr + expert * stride_bs_e + (offs_n // SCALE_BLOCK_N) * stride_bs_n
-    b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    b_row0 = (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
         k_valid = k < K
         if a_desc is not None:
-            a = a_desc.load([tile * BLOCK_M, k0])  # rows past the descriptor's end read as zero
+            a = a_desc.load([a_row0, k0])
         else:
             a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         if b_desc is not None:
-            # Rows past this expert's N belong to the next expert: their columns are masked at the store.
             b = b_desc.load([b_row0, k0])
         else:
             b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        if A_FP8 > 0:
-            if A_FP8 == 1:
-                qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
-                                        FP8_SUBNORMAL_STEP)
-                qa = qa.to(b.dtype)
-            else:
-                qa = a
-                sa = tl.load(a_scale_ptr + a_row * stride_as_m + k0 // BLOCK_K, mask=row_valid, other=0.0)
-            sb = tl.load(bs_rows + (k0 // SCALE_BLOCK_K) * stride_bs_k, mask=n_valid, other=0.0)
-            acc += tl.dot(qa, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _tile_gemm_fp8(a_rows, a_scale_rows, row_valid, b_rows, bs_rows, n_valid, stride_b_k, stride_bs_k, k_first, k_end,
+                   K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+                   SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr,
+                   SCALE_BLOCK_K: tl.constexpr):
+    """:func:`_tile_gemm_16bit` with fp8 B (``bs_rows`` [BLOCK_N] pointers to its rows' scales, at K step 0):
+    A's tiles are quantized here per row (BLOCK_K = one activation group), or, with ``a_scale_rows`` ([BLOCK_M]
+    pointers to the rows' scales), A is fp8 already; each step's product is scaled by both."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_first, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_valid = k < K
+        a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        if a_scale_rows is None:
+            qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+            qa = qa.to(b.dtype)
         else:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    if HAS_LORA:
-        # The first K share adds the deltas; a batch without adapters skips even numbering slots.
-        if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
-            row_token = row_id
-            if IDS_PER_TOKEN > 1:
-                row_token = row_id // IDS_PER_TOKEN
-            row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_token, row_valid,
-                                                                             num_loras, True, LORA_IDS)
-            if num_present > 0:  # (tiles without an adapter in a batch with some: nothing to add)
-                row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
-                by_rank = _rank_sums(lora_shrink_ptr + offs_m.to(tl.int64) * LORA_RANK, row_slot >= 0,
-                                     num_shrink_splits, stride_shrink_split, LORA_RANK, LORA_SPLITS_PER_STEP)
-                b2_expert = lora_b_ptr + expert * stride_lb_e
-                for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
-                    lb_rows, lb_slot, lb_used = _stack(b2_expert, stride_lb_l, stride_lb_r, present, slot_of,
-                                                       first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
-                    own = _in_stack_columns(by_rank, row_slot, lb_slot, row_scale, b2_expert.dtype.element_ty,
-                                            LORA_RANK, LORA_SLOTS * LORA_RANK)
-                    acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_valid, other=0.0).to(tl.float32)
-        bias = tl.where(k_first == 0, bias, 0.0)[None, :]  # added by the first K share only
-        if SCALE_BIAS_BY_ROW_WEIGHT:
-            bias = bias * tl.load(row_weights_ptr + offs_m)[:, None]
+            qa = a
+            sa = tl.load(a_scale_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
+        sb = tl.load(bs_rows + (k0 // SCALE_BLOCK_K) * stride_bs_k, mask=n_valid, other=0.0)
+        acc += tl.dot(qa, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
+def _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first):
+    """acc plus the bias of B's outputs (``bias_expert``: [N(_pad)] of the tile's expert; None: no bias), added by
+    the first K share only, times ``bias_row_weights`` [BLOCK_M] where not None (fmoe2's stage 2, whose A carries
+    the routing weight already)."""
+    if bias_expert is not None:
+        bias = tl.load(bias_expert + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+        bias = tl.where(k_first == 0, bias, 0.0)[None, :]
+        if bias_row_weights is not None:
+            bias = bias * bias_row_weights[:, None]
         acc += bias
-    if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
+    return acc
+
+
+@triton.jit
+def _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT: tl.constexpr):
+    """``C[row_id] += acc`` with relaxed atomics (ATOMIC_OUTPUT), else stored."""
     c_ptrs = c_ptr + row_id[:, None] * stride_c_m + offs_n[None, :]
     c_mask = row_valid[:, None] & n_valid[None, :]
     if ATOMIC_OUTPUT:
         tl.atomic_add(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask, sem="relaxed")
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(offs_m, row_id, row_valid, offs_n, n_valid)`` of a sorted tile and N block: sorted rows, their ids
+    (int64) and which are real, and the block's output columns."""
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_id = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = row_id < num_valid_ids
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, row_id.to(tl.int64), row_valid, offs_n, offs_n < N
+
+
+@triton.jit
+def _stage2_kernel(
+    a_ptr,  # y [num_grid_tiles * BLOCK_M, K] in sorted row order
+    b_ptr,  # w2 [E, N(_pad), K(_pad)]
+    c_ptr,  # out [M, N] (atomic adds), or the deterministic mode's slot rows [M * topk, N] (stores)
+    a_desc,  # None, or a tensor descriptor of A, block [BLOCK_M, BLOCK_K]
+    b_desc,  # None, or a tensor descriptor of B viewed [E * b_rows_per_expert, K(_pad)], block [BLOCK_N, BLOCK_K]
+    bias_ptr,  # None, or the down bias [E, N(_pad)], added times the row's routing weight
+    row_weights_ptr,  # (bias only) [num_grid_tiles * BLOCK_M] float32 routing weights in sorted row order
+    sorted_ids_ptr,  # [num_grid_tiles * BLOCK_M] int32 ids (token, or token * topk + slot), padding >= num_valid_ids
+    expert_ids_ptr,  # [max_tiles] int32
+    num_sorted_tiles_ptr,  # [1] int32
+    b_rows_per_expert,  # B.shape[1] (read with b_desc only)
+    num_valid_ids, N, K, num_grid_tiles,
+    stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m,
+    ATOMIC_OUTPUT: tl.constexpr,  # relaxed atomic add at row id (else a store)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
+    SPLIT_K: tl.constexpr,  # programs per (tile, N block), each over a share of K (ATOMIC_OUTPUT only)
+):
+    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
+    if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
+        gdc_wait()
+    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
+                                                     SPLIT_K)
+    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    if expert < 0:
+        return
+    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
+                                                              BLOCK_N)
+    acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
+                           b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
+                           (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
+                           k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    bias_expert = None
+    bias_row_weights = None
+    if bias_ptr is not None:
+        bias_expert = bias_ptr + expert * stride_bias_e
+        bias_row_weights = tl.load(row_weights_ptr + offs_m)
+    acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
+    _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
+
+
+@triton.jit
+def _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, token_lora_ids_ptr, lora_shrink_ptr,
+                     lora_b_ptr, lora_scaling_ptr, num_loras, num_shrink_splits, stride_shrink_split, stride_lb_l,
+                     stride_lb_e, stride_lb_r, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr,
+                     LORA_SLOTS: tl.constexpr, LORA_SPLITS_PER_STEP: tl.constexpr, IDS_PER_TOKEN: tl.constexpr):
+    """acc plus the rows' down deltas: stage 1's partial shrinks of the rows summed over the I slices, times
+    each row's scaling, expanded with its adapter's ``B2t[:, N block]``, one slot group at a time."""
+    row_token = row_id
+    if IDS_PER_TOKEN > 1:
+        row_token = row_id // IDS_PER_TOKEN
+    row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_token, row_valid,
+                                                                     num_loras, True, LORA_IDS)
+    if num_present > 0:  # (tiles without an adapter in a batch with some: nothing to add)
+        row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
+        by_rank = _rank_sums(lora_shrink_ptr + offs_m.to(tl.int64) * LORA_RANK, row_slot >= 0, num_shrink_splits,
+                             stride_shrink_split, LORA_RANK, LORA_SPLITS_PER_STEP)
+        b2_expert = lora_b_ptr + expert * stride_lb_e
+        for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
+            lb_rows, lb_slot, lb_used = _stack(b2_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot,
+                                               LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+            own = _in_stack_columns(by_rank, row_slot, lb_slot, row_scale, b2_expert.dtype.element_ty, LORA_RANK,
+                                    LORA_SLOTS * LORA_RANK)
+            acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _stage2_lora_kernel(
+    a_ptr, b_ptr, c_ptr, a_desc, b_desc, bias_ptr, row_weights_ptr,  # as _stage2_kernel's
+    token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none
+    lora_shrink_ptr,  # [num_shrink_splits, num_grid_tiles * BLOCK_M, LORA_RANK] fp32: stage 1's partial shrinks
+    lora_b_ptr,  # B2t [L, E, LORA_RANK, N_pad]
+    lora_scaling_ptr,  # [L] float32
+    num_lora_tokens_ptr,  # [1] int32: tokens with an adapter (from the sort)
+    sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr,
+    b_rows_per_expert, num_valid_ids, N, K, num_grid_tiles, num_loras,
+    num_shrink_splits,  # I slices of stage 1
+    stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m, stride_shrink_split, stride_lb_l,
+    stride_lb_e, stride_lb_r,
+    ATOMIC_OUTPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+    LORA_RANK: tl.constexpr,  # padded rank
+    LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
+    LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand
+    LORA_SPLITS_PER_STEP: tl.constexpr,  # partial shrinks loaded per step of their sum
+    IDS_PER_TOKEN: tl.constexpr,  # a row's token (for its adapter) is id // IDS_PER_TOKEN
+):
+    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
+    if PDL:
+        gdc_wait()
+    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
+                                                     SPLIT_K)
+    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    if expert < 0:
+        return
+    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
+                                                              BLOCK_N)
+    acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
+                           b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
+                           (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
+                           k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    # The first K share adds the deltas; a batch without adapters skips even numbering slots.
+    if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
+        acc = _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, token_lora_ids_ptr,
+                               lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_loras, num_shrink_splits,
+                               stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, LORA_RANK, LORA_IDS,
+                               LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN)
+    bias_expert = None
+    bias_row_weights = None
+    if bias_ptr is not None:
+        bias_expert = bias_ptr + expert * stride_bias_e
+        bias_row_weights = tl.load(row_weights_ptr + offs_m)
+    acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
+    _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
+
+
+@triton.jit
+def _stage2_fp8_kernel(
+    a_ptr,  # y [num_grid_tiles * BLOCK_M, K]: 16-bit (quantized here), or fp8 with a_scale_ptr
+    a_scale_ptr,  # None, or [num_grid_tiles * BLOCK_M, cdiv(K, BLOCK_K)] float32 scales of an fp8 y (stage 1's)
+    b_ptr,  # fp8 w2 [E, N, K]
+    b_scale_ptr,  # [E, Sn, Sk] float32 (stride 0 along a dimension of size 1): B[e, n, k]'s at [e, n //
+    # SCALE_BLOCK_N, k // SCALE_BLOCK_K]
+    c_ptr, bias_ptr, row_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr,  # as _stage2_kernel's
+    num_valid_ids, N, K, num_grid_tiles,
+    stride_a_m, stride_as_m, stride_b_e, stride_b_n, stride_b_k, stride_bs_e, stride_bs_n, stride_bs_k,
+    stride_bias_e, stride_c_m,
+    ATOMIC_OUTPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+    FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+):
+    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
+    if PDL:
+        gdc_wait()
+    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
+                                                     SPLIT_K)
+    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    if expert < 0:
+        return
+    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
+                                                              BLOCK_N)
+    a_row = offs_m.to(tl.int64)
+    a_scale_rows = None
+    if a_scale_ptr is not None:
+        a_scale_rows = a_scale_ptr + a_row * stride_as_m
+    acc = _tile_gemm_fp8(a_ptr + a_row[:, None] * stride_a_m, a_scale_rows, row_valid,
+                         b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n,
+                         b_scale_ptr + expert * stride_bs_e + (offs_n // SCALE_BLOCK_N) * stride_bs_n, n_valid,
+                         stride_b_k, stride_bs_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8_MAX,
+                         SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_K)
+    bias_expert = None
+    bias_row_weights = None
+    if bias_ptr is not None:
+        bias_expert = bias_ptr + expert * stride_bias_e
+        bias_row_weights = tl.load(row_weights_ptr + offs_m)
+    acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
+    _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)

@@ -12,22 +12,26 @@ launch arguments and cannot be read by mistake.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import FP8_GROUP, fp8_constexprs
-from ..launch import LaunchSpec
+from ..launch import LaunchSpec, kernel_parameters
 from ..reference import SWIGLU_ALPHA
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
 from ..target import Target
-from .combine_kernel import _combine_slots_kernel
+from .combine_kernel import _cast_rows_kernel, _combine_slots_kernel
 from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
-from .fused_moe_kernel import _fused_moe_kernel
-from .grouped_gemm_kernel import _grouped_gemm_kernel
+from .fused_moe_kernel import (_decode_kernel, _fused_cast_kernel, _fused_fp8_kernel, _fused_kernel,
+                               _fused_lora_kernel, _stage1_fp8_kernel, _stage1_kernel, _stage1_lora_kernel)
+from .grouped_gemm_kernel import _stage2_fp8_kernel, _stage2_kernel, _stage2_lora_kernel
 from .lora import PreparedMoELoRA
 from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 
@@ -312,13 +316,92 @@ def fp8_launch_values(problem: MoEProblem, target: Target) -> Tuple[dict, dict]:
     return args, dict(constexprs, SCALE_BLOCK_N=block_n, SCALE_BLOCK_K=block_k)
 
 
+# Entry kernel of each launch of the fused-kernel family: (decode, fused, stage 1) x (16-bit, LoRA, fp8), where
+# the 16-bit fused path has a second entry that casts its float32 accumulator itself.
+_FUSED_ENTRIES = {("fused", "16bit"): _fused_kernel, ("fused_cast", "16bit"): _fused_cast_kernel,
+                  ("decode", "16bit"): _decode_kernel, ("fused", "lora"): _fused_lora_kernel,
+                  ("fused_cast", "lora"): _fused_lora_kernel, ("fused", "fp8"): _fused_fp8_kernel,
+                  ("fused_cast", "fp8"): _fused_fp8_kernel, ("stage1", "16bit"): _stage1_kernel,
+                  ("stage1", "lora"): _stage1_lora_kernel, ("stage1", "fp8"): _stage1_fp8_kernel}
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@functools.lru_cache(maxsize=None)
+def _constexpr_names(kernel) -> frozenset:
+    """Names of the parameters ``kernel`` annotates ``tl.constexpr``."""
+    return frozenset(name for name, p in inspect.signature(kernel.fn).parameters.items()
+                     if "constexpr" in str(p.annotation))
+
+
+def entry_arguments(kernel, values: dict) -> Tuple[dict, dict]:
+    """``(args, constexprs)``: the entries of ``values`` that ``kernel`` takes, split by its annotations.
+    Raises where ``values`` lacks a parameter without default (a launch must say every value it reads)."""
+    args, constexprs = {}, {}
+    constexpr_names = _constexpr_names(kernel)
+    for name, default in kernel_parameters(kernel):
+        if name not in values:
+            if default is inspect.Parameter.empty:
+                raise ValueError(f"{kernel.fn.__name__} takes {name}, which the launch does not give")
+            continue
+        (constexprs if name in constexpr_names else args)[name] = values[name]
+    return args, constexprs
+
+
+def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoESortingResult], activation: str,
+                  config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace]) -> dict:
+    """Every value a fused-family entry kernel may take (each entry keeps those it declares): tensors, strides,
+    sizes and constexprs, None for what this forward does not use."""
+    y = workspace.y if workspace is not None else None
+    delta13 = workspace.lora_delta13 if workspace is not None else None
+    # Deltas in the stages: stage 1 stores its slices' down shrinks.
+    shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
+    y_scale = workspace.y_scale if workspace is not None else None
+    tma = tma_enabled(config, problem, target)
+    values = dict(
+        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y,
+        w13_desc=_descriptor(problem.w1, (2 * config.BLOCK_N, config.BLOCK_K)) if tma else None,
+        w2_desc=_descriptor(problem.w2, (config.BLOCK_H, config.BLOCK_N)) if tma else None,
+        sorted_token_ids_ptr=sorting.sorted_token_ids if sorting is not None else None,
+        sorted_weights_ptr=sorting.sorted_weights if sorting is not None else None,
+        sorted_expert_ids_ptr=sorting.sorted_expert_ids if sorting is not None else None,
+        num_sorted_tiles_ptr=sorting.num_sorted_tiles if sorting is not None else None,
+        num_tokens=problem.num_tokens, H=problem.hidden_size, I=problem.intermediate_size,
+        stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
+        stride_w1_k=problem.w1.stride(2), stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1),
+        stride_w2_i=problem.w2.stride(2), stride_out_m=out.stride(0),
+        w1_bias_ptr=problem.w1_bias, w2_bias_ptr=problem.w2_bias,
+        stride_b1_e=problem.w1_bias.stride(0) if problem.w1_bias is not None else None,
+        stride_b2_e=problem.w2_bias.stride(0) if problem.w2_bias is not None else None,
+        stride_y_m=y.stride(0) if y is not None else None,
+        y_scale_ptr=y_scale, stride_ys_m=y_scale.stride(0) if y_scale is not None else None,
+        **_lora_args(problem),
+        num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
+        lora_delta13_ptr=delta13, stride_delta13_m=delta13.stride(0) if delta13 is not None else None,
+        lora_shrink2_ptr=shrink2, stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else None,
+        final_out_ptr=None, topk_ids_ptr=None, expert_map_ptr=None, num_global_experts=None, stride_final_m=None,
+        TOPK=1, NUM_EXPERTS=1,
+        ACTIVATION=activation, SWIGLU_ALPHA=problem.swiglu_alpha, SWIGLU_LIMIT=problem.swiglu_limit,
+        GATE_UP_INTERLEAVED=problem.gate_up_interleaved, DTYPE=_TL_DTYPES.get(problem.x.dtype),
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
+        GROUP_M=config.GROUP_M, PDL=pdl_enabled(config, target),
+        LORA_STAGES=config.lora_num_stages or config.num_stages,
+        IDS_PER_TOKEN=problem.topk if problem.deterministic else 1,
+        **problem_lora_constexprs(problem),
+    )
+    fp8_args, fp8_consts = fp8_launch_values(problem, target)
+    values.update(fp8_args, **fp8_consts)
+    if delta13 is not None:  # the adapters' deltas come ready: stage 1 reads none of their operands
+        values.update({name: None for name in ("lora_a13_ptr", "lora_b13_ptr", "lora_a2_ptr", "lora_scaling_ptr")})
+    return values
+
+
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
                         config: FusedMoEConfig, target: Target, workspace: Optional[TwoStageWorkspace] = None,
                         quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                         cast_to: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
                         expert_map: Optional[torch.Tensor] = None,
                         topk_weights: Optional[torch.Tensor] = None) -> LaunchSpec:
-    """The fused kernel's launch.
+    """The launch of the fused kernel's family (``fused_moe_kernel.py``, one entry kernel per launch).
 
     With ``workspace`` it is stage 1 of the two-stage path: it stores the intermediate into
     ``workspace.y`` (and, with adapters, adds the gate/up deltas of ``workspace.lora_delta13``).
@@ -333,79 +416,29 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     if cast_to is not None and (workspace is not None or topk_ids is None):
         raise ValueError("the fused kernel casts its accumulator on the fused path only, and needs topk_ids")
     route_from_topk = topk_weights is not None
-    if route_from_topk and (cast_to is None or problem.num_tokens != 1 or problem.lora is not None):
-        raise ValueError("the one-launch decode is one token's fused forward without adapters, cast by the kernel")
-    y = workspace.y if workspace is not None else None
-    delta13 = workspace.lora_delta13 if workspace is not None else None
-    # Deltas in the stages: stage 1 stores its slices' down shrinks.
-    shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
+    if route_from_topk and (cast_to is None or problem.num_tokens != 1 or problem.lora is not None or problem.fp8):
+        raise ValueError("the one-launch decode is one token's fused forward without adapters, 16-bit weights, "
+                         "cast by the kernel")
+    values = _fused_values(problem, out, sorting, activation, config, target, workspace)
     num_grid_tiles = problem.topk if route_from_topk else grid_tiles(problem, sorting.block_m)
+    values.update(num_grid_tiles=num_grid_tiles)
+    if quantized_x is not None:
+        x_q, x_scale = quantized_x
+        values.update(x_q_ptr=x_q, x_scale_ptr=x_scale, stride_xq_m=x_q.stride(0), stride_xs_m=x_scale.stride(0))
+    if cast_to is not None:
+        values.update(final_out_ptr=cast_to, topk_ids_ptr=topk_ids, expert_map_ptr=expert_map,
+                      num_global_experts=expert_map.numel() if expert_map is not None else problem.num_experts,
+                      stride_final_m=cast_to.stride(0), TOPK=problem.topk, NUM_EXPERTS=problem.num_experts)
+    if route_from_topk:  # no launch of ours before it to depend on
+        values.update(topk_weights_ptr=topk_weights, PDL=False)
+    name = "decode" if route_from_topk else "fused" if workspace is None else "stage1"
+    weights = "lora" if problem.lora is not None else "fp8" if problem.fp8 else "16bit"
+    kernel = _FUSED_ENTRIES[("fused_cast" if name == "fused" and cast_to is not None else name, weights)]
+    args, constexprs = entry_arguments(kernel, values)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N)
             + (triton.cdiv(problem.num_tokens, config.BLOCK_M) if cast_to is not None else 0),)
-    tma = tma_enabled(config, problem, target)
-    has_lora = problem.lora is not None
-    args = dict(
-        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y,
-        w13_desc=_descriptor(problem.w1, (2 * config.BLOCK_N, config.BLOCK_K)) if tma else None,
-        w2_desc=_descriptor(problem.w2, (config.BLOCK_H, config.BLOCK_N)) if tma else None,
-        sorted_token_ids_ptr=sorting.sorted_token_ids if sorting is not None else None,
-        sorted_weights_ptr=sorting.sorted_weights if sorting is not None else None,
-        sorted_expert_ids_ptr=sorting.sorted_expert_ids if sorting is not None else None,
-        num_sorted_tiles_ptr=sorting.num_sorted_tiles if sorting is not None else None,
-        num_tokens=problem.num_tokens, H=problem.hidden_size, I=problem.intermediate_size,
-        num_grid_tiles=num_grid_tiles,
-        stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
-        stride_w1_k=problem.w1.stride(2), stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1),
-        stride_w2_i=problem.w2.stride(2), stride_out_m=out.stride(0),
-        w1_bias_ptr=problem.w1_bias, w2_bias_ptr=problem.w2_bias,
-        stride_b1_e=problem.w1_bias.stride(0) if problem.w1_bias is not None else None,
-        stride_b2_e=problem.w2_bias.stride(0) if problem.w2_bias is not None else None,
-        stride_y_m=y.stride(0) if y is not None else None,
-        stride_delta13_m=delta13.stride(0) if delta13 is not None else None,
-        **_lora_args(problem),
-        num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
-        lora_delta13_ptr=delta13,
-        lora_shrink2_ptr=shrink2,
-        stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else None,
-    )
-    if cast_to is not None:
-        args.update(final_out_ptr=cast_to, topk_ids_ptr=topk_ids, expert_map_ptr=expert_map,
-                    num_global_experts=expert_map.numel() if expert_map is not None else problem.num_experts,
-                    stride_final_m=cast_to.stride(0))
-    fp8_args, fp8_consts = fp8_launch_values(problem, target)
-    args.update(fp8_args)
-    y_scale = workspace.y_scale if workspace is not None else None
-    args.update(y_scale_ptr=y_scale, stride_ys_m=y_scale.stride(0) if y_scale is not None else None)
-    x_q, x_scale = quantized_x if quantized_x is not None else (None, None)
-    args.update(x_q_ptr=x_q, x_scale_ptr=x_scale, stride_xq_m=x_q.stride(0) if x_q is not None else None,
-                stride_xs_m=x_scale.stride(0) if x_scale is not None else None)
-    pdl = pdl_enabled(config, target)
-    constexprs = dict(
-        **fp8_consts,
-        Y_FP8=y_scale is not None,
-        ACTIVATION=activation, SWIGLU_ALPHA=problem.swiglu_alpha, SWIGLU_LIMIT=problem.swiglu_limit,
-        HAS_W1_BIAS=problem.w1_bias is not None, HAS_W2_BIAS=problem.w2_bias is not None,
-        GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
-        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
-        GROUP_M=config.GROUP_M, STORE_Y=y is not None,
-        HAS_LORA=has_lora,
-        LORA_DELTAS_READY=delta13 is not None,
-        # Unused without adapters: a constant there, so a LoRA-fitted config adds no plain compile.
-        LORA_STAGES=(config.lora_num_stages or config.num_stages) if has_lora else 1,
-        PDL=pdl,
-        IDS_PER_TOKEN=problem.topk if problem.deterministic else 1,
-        **problem_lora_constexprs(problem),
-    )
-    if cast_to is not None:
-        constexprs.update(CAST_FINISHED_ROWS=True, TOPK=problem.topk, NUM_EXPERTS=problem.num_experts,
-                          HAS_EXPERT_MAP=expert_map is not None)
-    if route_from_topk:  # no launch of ours before it to depend on
-        pdl = False
-        args.update(topk_weights_ptr=topk_weights)
-        constexprs.update(ROUTE_FROM_TOPK=True, PDL=False)
-    name = "decode" if route_from_topk else "fused" if workspace is None else "stage1"
-    return LaunchSpec(name, _fused_moe_kernel, grid, args, constexprs,
-                      {**config.launch_options(target.backend), **_pdl_option(pdl)})
+    return LaunchSpec(name, kernel, grid, args, constexprs,
+                      {**config.launch_options(target.backend), **_pdl_option(values["PDL"])})
 
 
 def _num_lora_tokens(problem: MoEProblem, sorting: Optional[MoESortingResult]) -> Optional[torch.Tensor]:
@@ -488,46 +521,43 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
     grid = (config.S2_SPLIT_K * num_grid_tiles * triton.cdiv(H, config.S2_BLOCK_N),)
     tma = tma_enabled(config, problem, target)
     pdl = pdl_enabled(config, target)
-    args = dict(
+    if deterministic and config.S2_SPLIT_K != 1:
+        raise ValueError(f"deterministic mode adds no partial sums: S2_SPLIT_K must be 1, got {config.S2_SPLIT_K}")
+    bias = problem.w2_bias  # y carries the routing weight; the bias is scaled by it here
+    values = dict(
         a_ptr=y, b_ptr=problem.w2, c_ptr=c, sorted_ids_ptr=sorting.sorted_token_ids,
         a_desc=_descriptor(y, (config.BLOCK_M, config.S2_BLOCK_K)) if tma else None,
         b_desc=_descriptor(problem.w2, (config.S2_BLOCK_N, config.S2_BLOCK_K)) if tma else None,
         b_rows_per_expert=problem.w2.shape[1],
         expert_ids_ptr=sorting.sorted_expert_ids, num_sorted_tiles_ptr=sorting.num_sorted_tiles,
-        topk_weights_ptr=None, num_valid_ids=problem.num_tokens * (problem.topk if deterministic else 1), N=H,
+        num_valid_ids=problem.num_tokens * (problem.topk if deterministic else 1), N=H,
         K=problem.intermediate_size, num_grid_tiles=num_grid_tiles, stride_a_m=y.stride(0),
         stride_b_e=problem.w2.stride(0), stride_b_n=problem.w2.stride(1), stride_b_k=problem.w2.stride(2),
-        stride_c_m=c.stride(0),
+        stride_c_m=c.stride(0), bias_ptr=bias, stride_bias_e=bias.stride(0) if bias is not None else None,
+        row_weights_ptr=sorting.sorted_weights if bias is not None else None,
+        ATOMIC_OUTPUT=not deterministic, BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
+        GROUP_M=config.S2_GROUP_M, PDL=pdl, SPLIT_K=config.S2_SPLIT_K,
+        IDS_PER_TOKEN=problem.topk if deterministic else 1,
     )
-    if deterministic and config.S2_SPLIT_K != 1:
-        raise ValueError(f"deterministic mode adds no partial sums: S2_SPLIT_K must be 1, got {config.S2_SPLIT_K}")
-    constexprs = dict(GATHER_A=False, A_ROW_DIVISOR=1, MUL_ROUTED_WEIGHT=False, ATOMIC_OUTPUT=not deterministic,
-                      BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
-                      GROUP_M=config.S2_GROUP_M, PDL=pdl, SPLIT_K=config.S2_SPLIT_K)
-    if deterministic:
-        constexprs.update(IDS_PER_TOKEN=problem.topk)
-    if problem.w2_bias is not None:  # y carries the routing weight; the bias is scaled by it here
-        args.update(bias_ptr=problem.w2_bias, stride_bias_e=problem.w2_bias.stride(0),
-                    row_weights_ptr=sorting.sorted_weights)
-        constexprs.update(HAS_BIAS=True, SCALE_BIAS_BY_ROW_WEIGHT=True)
+    kernel = _stage2_kernel
     if problem.fp8:  # fp8 y with stage 1's scales, or y quantized here per row and K step (S2_BLOCK_K = one group)
+        kernel = _stage2_fp8_kernel
         fp8_args, fp8_consts = fp8_launch_values(problem, target)
-        args.update(b_scale_ptr=problem.w2_scale, stride_bs_e=fp8_args["stride_s2_e"],
-                    stride_bs_n=fp8_args["stride_s2_n"], stride_bs_k=fp8_args["stride_s2_k"])
-        if workspace.y_scale is not None:
-            args.update(a_scale_ptr=workspace.y_scale, stride_as_m=workspace.y_scale.stride(0))
-        constexprs.update(A_FP8=2 if workspace.y_scale is not None else 1,
-                          **{k: v for k, v in fp8_consts.items() if k != "FP8"})
+        values.update(fp8_consts, b_scale_ptr=problem.w2_scale, stride_bs_e=fp8_args["stride_s2_e"],
+                      stride_bs_n=fp8_args["stride_s2_n"], stride_bs_k=fp8_args["stride_s2_k"],
+                      a_scale_ptr=workspace.y_scale,
+                      stride_as_m=workspace.y_scale.stride(0) if workspace.y_scale is not None else None)
     if lora is not None:
+        kernel = _stage2_lora_kernel
         shrink, b2 = workspace.lora_shrink2, lora.b2
-        args.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,
-                    lora_scaling_ptr=lora.scaling, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
-                    num_loras=lora.num_loras, num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0),
-                    stride_lb_l=b2.stride(0), stride_lb_e=b2.stride(1), stride_lb_r=b2.stride(2))
-        lora_consts = problem_lora_constexprs(problem)
-        splits_per_step = max(1, LORA_SHRINK_SUM_ELEMENTS // (config.BLOCK_M * lora.padded_rank))
-        constexprs.update(HAS_LORA=True, LORA_SPLITS_PER_STEP=splits_per_step, **lora_consts)
-    return LaunchSpec("stage2", _grouped_gemm_kernel, grid, args, constexprs,
+        values.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,
+                      lora_scaling_ptr=lora.scaling, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
+                      num_loras=lora.num_loras, num_shrink_splits=shrink.shape[0], stride_shrink_split=shrink.stride(0),
+                      stride_lb_l=b2.stride(0), stride_lb_e=b2.stride(1), stride_lb_r=b2.stride(2),
+                      LORA_SPLITS_PER_STEP=max(1, LORA_SHRINK_SUM_ELEMENTS // (config.BLOCK_M * lora.padded_rank)),
+                      **problem_lora_constexprs(problem))
+    args, constexprs = entry_arguments(kernel, values)
+    return LaunchSpec("stage2", kernel, grid, args, constexprs,
                       {**config.launch_options(target.backend, stage2=True), **_pdl_option(pdl)})
 
 
@@ -541,16 +571,18 @@ def combine_launch(problem: MoEProblem, out: torch.Tensor, rows: torch.Tensor, t
     (``rows``: the workspace's slot rows); without ``topk_ids``, the cast of a float32 accumulator
     ``rows [M, H]`` to ``out`` (``FusedMoEConfig.accumulate_fp32``). ``fmoe2/gemm/combine_kernel.py``."""
     M, H = problem.num_tokens, problem.hidden_size
-    routed = topk_ids is not None
     block_h = min(COMBINE_MAX_BLOCK_H, triton.next_power_of_2(H))
     block_t = max(1, COMBINE_ELEMENTS // block_h)
-    args = dict(slot_rows_ptr=rows, out_ptr=out, topk_ids_ptr=topk_ids, expert_map_ptr=expert_map if routed else None,
-                num_tokens=M, H=H, num_global_experts=expert_map.numel() if expert_map is not None else problem.num_experts,
+    grid = (triton.cdiv(M, block_t), triton.cdiv(H, block_h))
+    if topk_ids is None:
+        return LaunchSpec("cast", _cast_rows_kernel, grid, dict(rows_ptr=rows, out_ptr=out, num_tokens=M, H=H,
+                                                                stride_rows_m=rows.stride(0), stride_out_m=out.stride(0)),
+                          dict(BLOCK_T=block_t, BLOCK_H=block_h), {"num_warps": 4})
+    args = dict(slot_rows_ptr=rows, out_ptr=out, topk_ids_ptr=topk_ids, expert_map_ptr=expert_map, num_tokens=M, H=H,
+                num_global_experts=expert_map.numel() if expert_map is not None else problem.num_experts,
                 stride_slot_m=rows.stride(0), stride_out_m=out.stride(0))
-    constexprs = dict(TOPK=problem.topk if routed else 1, NUM_EXPERTS=problem.num_experts,
-                      HAS_EXPERT_MAP=routed and expert_map is not None, BLOCK_T=block_t, BLOCK_H=block_h, ROUTED=routed)
-    return LaunchSpec("combine" if routed else "cast", _combine_slots_kernel,
-                      (triton.cdiv(M, block_t), triton.cdiv(H, block_h)), args, constexprs, {"num_warps": 4})
+    constexprs = dict(TOPK=problem.topk, NUM_EXPERTS=problem.num_experts, BLOCK_T=block_t, BLOCK_H=block_h)
+    return LaunchSpec("combine", _combine_slots_kernel, grid, args, constexprs, {"num_warps": 4})
 
 
 def forward_specs(problem: MoEProblem, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,

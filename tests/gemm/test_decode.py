@@ -248,10 +248,10 @@ def test_an_interrupted_call_leaves_no_dirty_accumulator(monkeypatch, launched):
     # first programs have added into the kept accumulator and counted their adds when the interrupt comes. Before
     # the fix the next call found the counter past zero, cast a partial row (relative error 0.3-0.55) and left the
     # rest behind for the call after it.
-    from fmoe2.gemm import fused_moe_kernel
+    from fmoe2.gemm import epilogues
 
     x, w1, w2, tw, ti = _problem(E=10, topk=8, seed=7)
-    original, calls = fused_moe_kernel._cast_finished_rows, []
+    original, calls = epilogues._cast_finished_rows, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -259,10 +259,10 @@ def test_an_interrupted_call_leaves_no_dirty_accumulator(monkeypatch, launched):
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_moe_kernel, "_cast_finished_rows", interrupted)
+    monkeypatch.setattr(epilogues, "_cast_finished_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
         fused_moe(x, w1, w2, tw, ti, config=SMALL)
-    monkeypatch.setattr(fused_moe_kernel, "_cast_finished_rows", original)
+    monkeypatch.setattr(epilogues, "_cast_finished_rows", original)
     assert len(calls) == 3
     _assert_kept_accumulators_zero()
     for seed in (8, 9):
@@ -309,9 +309,9 @@ def test_an_interrupted_call_does_not_spoil_another_threads_waiting_call(monkeyp
     import threading
     import time
 
-    from fmoe2.gemm import fused_moe_kernel
+    from fmoe2.gemm import epilogues
 
-    original, calls, started = fused_moe_kernel._cast_finished_rows, [], threading.Event()
+    original, calls, started = epilogues._cast_finished_rows, [], threading.Event()
     interrupted_thread = threading.current_thread()
 
     def interrupted(*args, **kwargs):
@@ -323,7 +323,7 @@ def test_an_interrupted_call_does_not_spoil_another_threads_waiting_call(monkeyp
                 raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_moe_kernel, "_cast_finished_rows", interrupted)
+    monkeypatch.setattr(epilogues, "_cast_finished_rows", interrupted)
     # The zeroing must happen while this thread still holds the interpreter (else the waiting thread may be
     # adding into the accumulator by then: a matter of thread scheduling, so checked directly).
     from fmoe2.gemm import plan as plan_module

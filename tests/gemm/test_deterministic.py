@@ -120,12 +120,12 @@ def test_combine_adds_the_slots_left_to_right_in_float32():
     ids = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 5, 2]], dtype=torch.int32, device=DEVICE)  # token 2: slot 1 dropped
     out = torch.full((M, H), float("nan"), device=DEVICE)
     _combine_slots_kernel[(1, 1)](slot_rows, out, ids, None, M, H, 3, H, H, TOPK=topk, NUM_EXPERTS=3,
-                                  HAS_EXPERT_MAP=False, BLOCK_T=4, BLOCK_H=16)
+                                  BLOCK_T=4, BLOCK_H=16)
     assert out[0].eq(0.0).all() and out[1].eq(0.0).all()
     assert out[2].eq(0.0).all()  # 1e8 + (dropped) - 1e8
     slot_rows[7] = 5.0  # the dropped slot's row is never read
     _combine_slots_kernel[(1, 1)](slot_rows, out, ids, None, M, H, 3, H, H, TOPK=topk, NUM_EXPERTS=3,
-                                  HAS_EXPERT_MAP=False, BLOCK_T=4, BLOCK_H=16)
+                                  BLOCK_T=4, BLOCK_H=16)
     assert out[2].eq(0.0).all()
 
 
