@@ -21,7 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import FP8_GROUP, fp8_constexprs
 from ..launch import LaunchSpec
-from ..reference import SWIGLU_ALPHA
+from ..activations import SWIGLU_ALPHA
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
 from ..target import Target
 from .combine_kernel import _combine_slots_kernel
