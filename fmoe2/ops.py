@@ -10,20 +10,26 @@ allocate their outputs and mutate no input (``fused_moe``'s ``out=`` becomes a c
 op), so Inductor's CUDA-graph trees do not skip a graph for them.
 
 The schemas take tensors and plain values only: prepared weights and adapters travel as their
-tensors plus the sizes needed to rebuild them, a caller's config as JSON.
+tensors plus the sizes needed to rebuild them, a caller's config as JSON. The packing of a call into a
+schema sits beside each eager function (``fused_moe_op_call`` in ``fmoe2/gemm/op_call.py``,
+``moe_sorting_op_call`` in ``fmoe2/sorting/moe_sorting.py``; both importable from here as before): they
+reach these ops through ``torch.ops.fmoe2`` and import nothing from this module, which sits on the top floor
+of ``tests/test_layers.py`` because its implementations call the eager functions.
 """
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import torch
 
 from .gemm.config import FusedMoEConfig
-from .reference import SWIGLU_ALPHA
+from .gemm.decode import sort_path_only
+from .gemm.fused_moe import fused_moe
 from .gemm.layout import PreparedMoEWeights
-from .gemm.lora import PreparedMoELoRA, prepare_lora
-from .sorting.moe_sorting import MoESortingResult, max_num_tokens_padded
+from .gemm.lora import PreparedMoELoRA
+from .gemm.op_call import fused_moe_op_call  # noqa: F401  (fmoe2.ops.fused_moe_op_call as before)
+from .sorting.moe_sorting import (MoESortingResult, _check_sorting_args, launch_moe_sorting, max_num_tokens_padded,
+                                  moe_sorting_op_call, sorting_buffers)  # noqa: F401  (moe_sorting_op_call re-exported)
 
 _LIB = torch.library.Library("fmoe2", "DEF")
 _LIB.define(
@@ -42,9 +48,6 @@ def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, e
                     prepared_hidden_size, prepared_intermediate_size, lora_a13, lora_b13, lora_a2, lora_b2,
                     lora_scaling, lora_rank, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha,
                     swiglu_limit, w1_scale=None, w2_scale=None, block_shape=None, deterministic=False):
-    from .gemm.decode import sort_path_only
-    from .gemm.fused_moe import fused_moe
-
     block_shape = tuple(block_shape) if block_shape is not None else None
     if prepared_intermediate_size:  # prepared weights: their biases and scales travel as w1_bias ... block_shape
         w1, w2 = PreparedMoEWeights(w1, w2, prepared_hidden_size, prepared_intermediate_size, w1_bias, w2_bias,
@@ -70,8 +73,6 @@ def _fused_moe_fake(hidden_states, *args):
 
 
 def _moe_sorting_impl(topk_ids, topk_weights, num_experts, block_m, out, expert_map):
-    from .sorting.moe_sorting import _check_sorting_args, launch_moe_sorting, sorting_buffers
-
     _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
     M, topk = topk_ids.shape
     # Separate tensors: the op's outputs must not share storage.
@@ -96,42 +97,3 @@ for _device in ("CPU", "CUDA"):  # CPU: the Triton interpreter
     _LIB.impl("moe_sorting", _moe_sorting_impl, _device)
 torch.library.register_fake("fmoe2::fused_moe", _fused_moe_fake, lib=_LIB)
 torch.library.register_fake("fmoe2::moe_sorting", _moe_sorting_fake, lib=_LIB)
-
-
-def fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
-                      config: Optional[FusedMoEConfig] = None, path="auto", lora=None, token_lora_ids=None,
-                      w1_bias=None, w2_bias=None, gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA,
-                      swiglu_limit=None, w1_scale=None, w2_scale=None, block_shape=None, deterministic=False):
-    """``fmoe2.fused_moe``'s arguments passed to ``torch.ops.fmoe2.fused_moe`` (what it runs while
-    ``torch.compile`` traces it; ``deterministic`` resolved already); ``out`` is then filled by a copy."""
-    prepared_h = prepared_i = 0
-    if isinstance(w1, PreparedMoEWeights):
-        if any(t is not None for t in (w1_bias, w2_bias, w1_scale, w2_scale, block_shape)):
-            # (the op's impl would pass them on as the prepared ones)
-            raise ValueError("w1_bias/w2_bias/w1_scale/w2_scale/block_shape go with plain weights; prepared weights "
-                             "carry theirs (fmoe2.prepare_weights(w1, w2, w1_bias=..., w1_scale=..., ...))")
-        prepared_h, prepared_i = w1.hidden_size, w1.intermediate_size
-        w1_scale, w2_scale, block_shape = w1.s13, w1.s2, w1.scale_block
-        w1, w2, w1_bias, w2_bias = w1.w13, w1.w2, w1.b13, w1.b2
-    lora_tensors, lora_rank = (None,) * 5, 0
-    if lora is not None:
-        lora = prepare_lora(lora)
-        lora_tensors, lora_rank = (lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling), lora.rank
-    result = torch.ops.fmoe2.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, path,
-                                       config.to_json() if config is not None else "", prepared_h, prepared_i,
-                                       *lora_tensors, lora_rank, token_lora_ids, w1_bias, w2_bias,
-                                       gate_up_interleaved, float(swiglu_alpha),
-                                       float(swiglu_limit) if swiglu_limit is not None else None, w1_scale, w2_scale,
-                                       list(block_shape) if block_shape is not None else None, bool(deterministic))
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
-
-
-def moe_sorting_op_call(topk_ids, topk_weights, num_experts, block_m, out=None, expert_map=None) -> MoESortingResult:
-    """``fmoe2.moe_sorting`` as ``torch.ops.fmoe2.moe_sorting`` (what it runs while ``torch.compile``
-    traces it; always the one-launch sort)."""
-    ids, weights, experts, post_padded, tiles = torch.ops.fmoe2.moe_sorting(topk_ids, topk_weights, num_experts,
-                                                                            block_m, out, expert_map)
-    return MoESortingResult(ids, weights, experts, post_padded, tiles, block_m, topk_ids.shape[0])

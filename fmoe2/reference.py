@@ -9,8 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
-SWIGLU_ALPHA = 1.702  # gpt-oss's default (GptOssConfig.swiglu_alpha)
+from .activations import ACTIVATIONS, SWIGLU_ALPHA  # noqa: F401  (fmoe2.reference.SWIGLU_ALPHA as before)
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, swiglu_alpha: float = SWIGLU_ALPHA,

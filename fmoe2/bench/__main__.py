@@ -82,8 +82,10 @@ def dense_gemm_us(E, H, I, rows_per_expert, gen) -> float:
 
 
 def make_inputs(M, E, H, I, topk, gen):
-    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(M, E, device="cuda", generator=gen)
+    """bf16 ``x [M, H]``, float32 ``topk_weights`` and int32 ``topk_ids [M, topk]`` (softmax + top-k of random
+    logits) on ``gen``'s device."""
+    x = torch.randn(M, H, device=gen.device, dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(M, E, device=gen.device, generator=gen)
     topk_weights, topk_ids = torch.topk(logits.softmax(dim=-1), topk, dim=-1)
     return x, topk_weights, topk_ids.to(torch.int32)
 
@@ -101,16 +103,18 @@ def try_vllm():
 
 
 def random_weights(E, H, I, gen):
-    """Random bf16 expert weights ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` on the GPU, scaled so every stage is O(1)."""
-    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
-    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
+    """Random bf16 expert weights ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` on ``gen``'s device (the GPU in the
+    benchmarks), scaled so every stage is O(1)."""
+    w1 = torch.randn(E, 2 * I, H, device=gen.device, dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, device=gen.device, dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
     return w1, w2
 
 
 def random_biases(E, H, I, gen):
-    """Random bf16 biases ``{"w1_bias": [E, 2I], "w2_bias": [E, H]}`` on the GPU, small beside the products."""
-    return dict(w1_bias=torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1,
-                w2_bias=torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1)
+    """Random bf16 biases ``{"w1_bias": [E, 2I], "w2_bias": [E, H]}`` on ``gen``'s device, small beside the
+    products."""
+    return dict(w1_bias=torch.randn(E, 2 * I, device=gen.device, dtype=torch.bfloat16, generator=gen) * 0.1,
+                w2_bias=torch.randn(E, H, device=gen.device, dtype=torch.bfloat16, generator=gen) * 0.1)
 
 
 def make_weights(name, shape, gen):

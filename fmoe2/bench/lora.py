@@ -45,10 +45,11 @@ TIMING_ROUNDS = 3
 
 
 def make_adapters(num_loras, E, H, I, rank, gen, scaling=0.5):
-    """Random bf16 adapters whose deltas are of the order of the base terms."""
+    """Random bf16 adapters (:class:`fmoe2.MoELoRA`, ``num_loras`` of rank ``rank``) on ``gen``'s device, whose
+    deltas are of the order of the base terms."""
 
     def rand(*shape, fan_in):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(fan_in)
+        return torch.randn(*shape, device=gen.device, dtype=torch.bfloat16, generator=gen) / math.sqrt(fan_in)
 
     return fmoe2.MoELoRA(
         gate_a=rand(num_loras, E, rank, H, fan_in=H), gate_b=rand(num_loras, E, I, rank, fan_in=rank),

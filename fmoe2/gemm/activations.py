@@ -9,7 +9,7 @@ fall-through branch: a name without a function fails the compile (and the host r
 import triton
 import triton.language as tl
 
-from ..reference import ACTIVATIONS
+from ..activations import ACTIVATIONS
 
 
 @triton.jit

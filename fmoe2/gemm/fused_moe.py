@@ -20,7 +20,7 @@ from ..determinism import deterministic_enabled, fused_path_under_the_switch
 from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_inference_only, check_interpreter_dtype, check_out_overlaps,
                            check_same_device, check_tensor, on_device)
 from ..launch import PlanCache, direct_launches, run_bound, tracing
-from ..reference import ACTIVATIONS, SWIGLU_ALPHA
+from ..activations import ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
 from ..fp8 import FP8_DTYPES
 from .decode import one_launch_allowed
@@ -139,7 +139,7 @@ def fused_moe(
         if deterministic and path == "fused":
             deterministic = fused_path_under_the_switch()
     if tracing():
-        from ..ops import fused_moe_op_call
+        from .op_call import fused_moe_op_call
 
         return fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, out=out,
                                  expert_map=expert_map, config=config, path=path, lora=lora,

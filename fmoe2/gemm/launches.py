@@ -23,8 +23,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import FP8_GROUP, fp8_constexprs
+from ..activations import SWIGLU_ALPHA
 from ..launch import LaunchSpec, kernel_parameters
-from ..reference import SWIGLU_ALPHA
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
 from ..target import Target
 from .combine_kernel import _cast_rows_kernel, _combine_slots_kernel

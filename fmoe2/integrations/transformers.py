@@ -39,7 +39,8 @@ from .._validation import BF16_UNDER_THE_INTERPRETER, interpreter_computes_wrong
 from ..fp8 import FP8_DTYPES, FP8_GROUP
 from ..gemm.fused_moe import fused_moe
 from ..launch import tracing
-from ..reference import SWIGLU_ALPHA, gated_activation
+from ..activations import SWIGLU_ALPHA
+from ..reference import gated_activation
 from ..target import target_of
 
 BACKEND_NAME = "fmoe2"

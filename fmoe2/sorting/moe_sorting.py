@@ -596,8 +596,6 @@ def moe_sorting(
     ``torch.ops.fmoe2.moe_sorting`` (one launch, separate buffers).
     """
     if tracing():
-        from ..ops import moe_sorting_op_call
-
         return moe_sorting_op_call(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
     call = _sort_call_key(topk_ids, topk_weights, num_experts, block_m, out, expert_map)
     plan = SORT_PLANS.get(call[0]) if call is not None else None
@@ -622,6 +620,15 @@ def moe_sorting(
                        for t in (topk_ids, topk_weights, out, expert_map))
         SORT_PLANS.put(call[0], SortPlan(layout, M, chunk_size, topk_ids.device, nbytes, launches))
     return result
+
+
+def moe_sorting_op_call(topk_ids, topk_weights, num_experts, block_m, out=None, expert_map=None) -> MoESortingResult:
+    """``fmoe2.moe_sorting`` as ``torch.ops.fmoe2.moe_sorting`` (what it runs while ``torch.compile``
+    traces it; always the one-launch sort). The op is defined in ``fmoe2/ops.py``, a floor above: reached
+    through the dispatcher, not imported."""
+    ids, weights, experts, post_padded, tiles = torch.ops.fmoe2.moe_sorting(topk_ids, topk_weights, num_experts,
+                                                                            block_m, out, expert_map)
+    return MoESortingResult(ids, weights, experts, post_padded, tiles, block_m, topk_ids.shape[0])
 
 
 @dataclass
