@@ -4,28 +4,28 @@ runs, as picked by ``fused_moe``'s plan build.
     python tests/gemm/data/record_config_table.py
 
 The table pins behaviour: rerun this only for a deliberate change of a pick, and say which entries changed.
-First recorded with the code of f6d48c7 (``pick_config`` of ``fmoe2/gemm/fused_moe.py``, the device read
-through patched ``target_of`` / ``device_config_name``)."""
+First recorded with the code of f6d48c7 (its ``pick_config`` of ``fmoe2/gemm/fused_moe.py``, the device read
+through patched ``target_of`` / ``current_backend`` / ``device_config_name``); since then it asks
+``resolve_config``, which every caller asks."""
 import json
 import os
 import sys
-from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))  # this checkout's fmoe2, not an installed one
 
-import fmoe2.gemm.config as config_module  # noqa: E402
-from fmoe2.gemm.fused_moe import pick_config  # noqa: E402
+from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config  # noqa: E402
 from config_grid import BATCHES, GIVEN, TARGETS, meta_problem, outcome, rows  # noqa: E402
 
 
 def pick(target_name, shape, mode, path, given, M):
     target, tuned_name = TARGETS[target_name]
     problem = meta_problem(shape, mode, M, target)
-    with mock.patch.object(config_module, "target_of", lambda device=None: target), \
-            mock.patch.object(config_module, "current_backend", lambda: target.backend), \
-            mock.patch.object(config_module, "device_config_name", lambda device=None: tuned_name or "cpu"):
-        return outcome(problem, pick_config(problem, GIVEN[given], path, target))
+    request = ConfigProblem(M, problem.num_experts, problem.hidden_size, problem.intermediate_size, problem.topk,
+                            problem.x.dtype)
+    kind = ConfigMode(problem.lora is not None, problem.fp8, problem.deterministic)
+    return outcome(problem, resolve_config(request, kind, target, GIVEN[given], path=path, tuned_for=tuned_name))
 
 
 def main():
