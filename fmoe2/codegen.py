@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._validation import interpreter_requested
 from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
-from .gemm.config import deterministic_config, fit_fp8_config, fit_lora_config_to_problem, get_config
+from .gemm.config import ConfigMode, ConfigProblem, resolve_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, decode_launch,
                             decodes_in_one_launch, deltas_in_stages, forward_specs, fused_kernel_casts,
                             fused_kernel_launch, lora_expand_launch, lora_shrink_launch, stage2_kernel_launch)
@@ -254,7 +254,6 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         raise ValueError("fp8 weights do not take LoRA adapters yet")
     target = TARGETS[target_name]
     named = NAMED_TARGETS[target_name]
-    backend = target.backend
     E, H, inter, topk = shape
     meta = dict(device="meta")
     x = torch.empty(M, H, dtype=dtype, **meta)
@@ -280,15 +279,16 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         scales = dict(w1_scale=s1, w2_scale=s2, scale_block=(bn, bk))
     topk_ids = torch.empty(M, topk, dtype=torch.int32, **meta)
     topk_weights = torch.empty(M, topk, dtype=torch.float32, **meta)
-    where = dict(backend=backend, arch=target.arch if backend == "hip" else None)
-    pick = dict(where, tuned_for=tuned_for)
-    config = get_config(M, E, H, inter, topk, dtype, **pick)
-    fused_config = get_config(M, E, H, inter, topk, dtype, path="fused", **pick)
-    # griddepcontrol needs sm_90 (the launches check the target's, also for a tuned pdl=True)
-    sm90 = named.has_grid_dependency_control
-    config, fused_config = (replace(c, tma=c.tma or tma, pdl=(c.pdl or pdl) and sm90) for c in (config, fused_config))
-    if fp8:
-        config, fused_config = (fit_fp8_config(c, x.element_size(), named.shared_memory) for c in (config, fused_config))
+    problem_shape = ConfigProblem(M, E, H, inter, topk, dtype)
+
+    def resolve(path, lora=False):  # what fused_moe runs there (griddepcontrol needs sm_90; fp8 keeps pointer loads)
+        cfg = resolve_config(problem_shape, ConfigMode(lora, bool(fp8), deterministic), named, path=path,
+                             tuned_for=tuned_for)
+        return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8,
+                                                 pdl=(cfg.pdl or pdl) and named.has_grid_dependency_control)
+
+    config = resolve("auto", lora=bool(lora_rank))
+    fused_config = config if deterministic else resolve("fused")
     pdl = fused_config.pdl
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk, **scales)
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
@@ -301,17 +301,11 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         x_quantization = x_quantization_values(x, *quantized_x, fp8_constexprs(weight_dtype, interpreter=False))
     reports = []
     if deterministic:
-        config = deterministic_config(M, E, H, inter, topk, dtype, cuda_arch=named.cuda_arch, lora=bool(lora_rank),
-                                      fp8=bool(fp8), **where)
-        if fp8:
-            config = fit_fp8_config(config, x.element_size(), named.shared_memory)
         problem.deterministic = True
         if lora_rank:
             problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
             problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
             common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
-            config = fit_lora_config_to_problem(config, M, E, H, inter, topk, dtype, named.num_sms, backend,
-                                                named.shared_memory, in_stages=True)
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
                                             count_lora_tokens=problem.lora is not None)
         workspace = TwoStageWorkspace.allocate(problem, sorting, config, named)
@@ -357,16 +351,12 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
         common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
         suffix = "_lora"
-        lora_config = fit_lora_config_to_problem(fused_config, M, E, H, inter, topk, dtype, named.num_sms, backend,
-                                                 named.shared_memory)
+        lora_config = resolve("fused", lora=True)
         sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
         sort_reports("moe_sorting_lora", sorting, token_lora_ids=problem.token_lora_ids, num_loras=num_loras)
         reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
                         **_compile_spec(fused_launch(lora_config, sorting), target)})
     if config.path == "two_stage":
-        if problem.lora is not None:  # the stages as fused_moe runs them with adapters (lora_in_stages)
-            config = fit_lora_config_to_problem(config, M, E, H, inter, topk, dtype, named.num_sms, backend,
-                                                named.shared_memory)
         sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
                                             count_lora_tokens=problem.lora is not None)
         in_stages = deltas_in_stages(problem, config)

@@ -7,8 +7,8 @@ Writes ``fmoe2/gemm/configs/<device>/E=..,H=..,I=..,topk=..,dtype=...json`` (bat
 config), which :func:`fmoe2.get_config` then picks by nearest batch size. Runs unchanged on ROCm.
 ``--deterministic`` tunes deterministic mode instead (``fused_moe(..., deterministic=True)``: two-stage
 configs without K shares) into the file's ``"deterministic"`` entry, which it reads on GPUs whose tilings
-were measured alike (``deterministic_config``). ``--dtype fp8`` tunes fp8 weights (block scales, bf16
-activations) into the bf16 file's ``"fp8"`` entry (``tuned_fp8_config``): each candidate as an fp8 forward runs
+were measured alike (``fmoe2.gemm.config.resolve_config``). ``--dtype fp8`` tunes fp8 weights (block scales, bf16
+activations) into the bf16 file's ``"fp8"`` entry (``resolve_config`` reads it): each candidate as an fp8 forward runs
 it (fitted to fp8), duplicates timed once.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 import fmoe2
 from fmoe2.bench.__main__ import make_inputs
 from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
-from fmoe2.gemm.config import CONFIG_DIR, device_config_name, shape_file_name
-from fmoe2.gemm.fused_moe import plan_of
+from fmoe2.gemm.config import CONFIG_DIR, ConfigMode, ConfigProblem, device_config_name, resolve_config, shape_file_name
 from fmoe2.shapes import ALL_SHAPES
+from fmoe2.target import target_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: the activations' dtype
 SECTIONS = ("deterministic", "fp8")  # entries of a tuned file besides the plain batch sizes
@@ -92,8 +92,9 @@ def main(argv=None) -> int:
         candidates = deterministic_candidates(M, E, H, I, topk, dtype) if a.deterministic else None
         if a.dtype == "fp8":
             def fitted(cfg, x=x, tw=tw, ti=ti):
-                fmoe2.fused_moe(x, prepared, None, tw, ti, config=cfg)
-                return plan_of(x, prepared, None, tw, ti, config=cfg).config
+                fmoe2.fused_moe(x, prepared, None, tw, ti, config=cfg)  # (raises for a candidate that cannot run)
+                # The config that forward ran, from the resolver the forward asks.
+                return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(fp8=True), target_of(), cfg)
             candidates = fp8_candidates(M, E, H, I, topk, fitted)
         best, us, _ = search_fmoe2(M, E, H, I, topk, dtype,
                                    lambda cfg: lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg,

@@ -384,13 +384,12 @@ def test_codegen_reports_the_stages_as_fused_moe_runs_them_with_adapters(monkeyp
 
     h200 = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_stages=4, tma=True, path="two_stage",
                           S2_BLOCK_N=128, S2_BLOCK_K=128, S2_GROUP_M=1, s2_num_warps=4, s2_num_stages=4, S2_SPLIT_K=2)
-    real = config_module._pick_config
+    real = config_module._plain_pick
 
-    def pick(M, E, H, I, topk, dtype, device, backend, arch, path, *rest):  # as from a tuned file
-        return h200 if path in ("auto", "two_stage") else real(M, E, H, I, topk, dtype, device, backend, arch, path,
-                                                              *rest)
+    def pick(problem, target, path, *rest):  # as from a tuned file
+        return h200 if path in ("auto", "two_stage") else real(problem, target, path, *rest)
 
-    monkeypatch.setattr(config_module, "_pick_config", pick)
+    monkeypatch.setattr(config_module, "_plain_pick", pick)
     monkeypatch.setattr(codegen, "_compile", lambda *a, **k: {})
     reports = {r["kernel"]: r for r in codegen.codegen_report("sm_90", (8, 4096, 14336, 2), 1, lora_rank=16)}
     expected = config_module.get_config(1, 8, 4096, 14336, 2, torch.bfloat16, lora=True)
@@ -485,7 +484,7 @@ def test_deterministic_launches_compile_without_atomics_or_spills(target, flags)
             assert r["matrix_instructions"], (kernel, M)
     configs = [reports["deterministic_stage1", M]["config"] for M in (1, 4096)]
     assert all(c["path"] == "two_stage" and c["S2_SPLIT_K"] == 1 for c in configs)
-    # One tiling for every M, but on sm_90 for 16-bit weights without adapters (deterministic_config).
+    # One tiling for every M, but on sm_90 for 16-bit weights without adapters (resolve_config).
     assert (configs[0] == configs[1]) == (target != "sm_90" or bool(flags)), configs
 
 

@@ -44,6 +44,7 @@ from .timing import time_in_graph, time_interleaved
 # The modules whose config fit (fused_moe: the module; the attribute fmoe2.gemm.fused_moe is the function) and
 # launch settings (launches) are patched below.
 FUSED_MODULE = importlib.import_module("fmoe2.gemm.fused_moe")
+CONFIG_MODULE = importlib.import_module("fmoe2.gemm.config")  # (the resolver fits the adapters' steps)
 LAUNCHES_MODULE = importlib.import_module("fmoe2.gemm.launches")
 ROUNDS = 5
 # (num_warps, num_stages, expand BLOCK_N, shrink BLOCK_K) of the two-stage LoRA kernels, on the table's tiles
@@ -94,7 +95,7 @@ def _patched(patch):
 
 def lora_configs_as_given():
     """Context: ``fused_moe`` runs a given LoRA config's warps and stages instead of fitting them."""
-    return _patched(mock.patch.object(FUSED_MODULE, "fit_lora_config_to_problem", lambda cfg, *_, **__: cfg))
+    return _patched(mock.patch.object(CONFIG_MODULE, "fit_lora_config_to_problem", lambda cfg, *_, **__: cfg))
 
 
 def two_stage_lora_settings(num_warps: int, num_stages: int, expand_block_n: int, shrink_block_k: int):

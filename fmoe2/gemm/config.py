@@ -34,11 +34,14 @@ import torch
 import triton
 
 from ..fp8 import FP8_GROUP
-from ..target import DEFAULT_SHARED_MEMORY, current_backend, target_of
+from ..target import DEFAULT_SHARED_MEMORY, Target, current_backend, target_of
 from ..sorting import max_busy_tiles
+from . import config_cuda, config_hip
+
+# Each backend's rules, one file each (the same names in each).
+BACKENDS = {"cuda": config_cuda, "hip": config_hip}
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
-HIP_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 PATHS = ("fused", "two_stage")
 MAX_ATOMIC_ADDS = 128  # per output element, for bf16/fp16 outputs
 MAX_BLOCK_N = 256
@@ -48,10 +51,6 @@ MAX_DOWN_TILE = 16384  # elements of the down weight tile [BLOCK_H, BLOCK_N] onc
 # A widened program gets >= tile/WEIGHT_TILE_PER_WARP warps: on sm_90, BLOCK_K=64 at BLOCK_N=256 spilled
 # 40 instructions with 4 warps and none with 8.
 WEIGHT_TILE_PER_WARP = 4096
-# Weight-tile elements in flight (num_stages x tile) once widened: 3 x 64 KB stages fit sm_80's 164 KB of
-# shared memory (and Hopper's 227 KB); 2 x 32 KB fit the 64 KiB LDS of gfx942.
-PIPELINE_ELEMENTS = {"cuda": 3 * 32768, "hip": 2 * 16384}
-MIN_WIDENED_STAGES = {"cuda": 3, "hip": 2}
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
 FP8_MAX_ACC = MAX_FUSED_ACC // 2  # the same with fp8 weights (fit_fp8_config)
@@ -141,8 +140,7 @@ class FusedMoEConfig:
             opts = {"num_warps": self.s2_num_warps, "num_stages": self.s2_num_stages}
         else:
             opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        if backend == "hip":
-            opts.update({k: getattr(self, k) for k in HIP_ONLY_OPTIONS if getattr(self, k) is not None})
+        opts.update({k: getattr(self, k) for k in BACKENDS[backend].LAUNCH_OPTIONS if getattr(self, k) is not None})
         return opts
 
     def to_dict(self) -> dict:
@@ -181,12 +179,6 @@ def _load_json(path: str):
         return None
     with open(path) as f:
         return json.load(f)
-
-
-def _arch_key(device) -> Optional[str]:
-    """The ROCm architecture of ``device`` ("gfx950"), which may have rules of its own in defaults.json."""
-    arch = target_of(device).arch
-    return arch if isinstance(arch, str) else None
 
 
 def lora_in_stages(cfg: FusedMoEConfig, M: int, E: int, topk: int) -> bool:
@@ -335,8 +327,8 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
             # Keep the widened weight tiles' shared memory and the accumulator's registers in budget.
             block_k = max(16, min(block_k, MAX_WEIGHT_TILE // (2 * block_n)))
             block_h = max(16, min(block_h, MAX_DOWN_TILE // block_n))
-            budget = PIPELINE_ELEMENTS[backend]
-            while num_stages > MIN_WIDENED_STAGES[backend] and num_stages * 2 * block_n * block_k > budget:
+            budget = BACKENDS[backend].PIPELINE_ELEMENTS
+            while num_stages > BACKENDS[backend].MIN_WIDENED_STAGES and num_stages * 2 * block_n * block_k > budget:
                 num_stages -= 1
             while block_k > 16 and num_stages * 2 * block_n * block_k > budget:
                 block_k //= 2
@@ -371,7 +363,7 @@ def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAU
     ``MAX_ACC_REGS`` registers per thread, the down tile to ``MAX_DOWN_TILE``; stages, then BLOCK_M,
     come down until the gate/up loop (fp8 weight tile, x tile of ``x_bytes`` per element) fits
     ``shared_memory``. The config's other choices are kept (the 16-bit pick's, or a tuned fp8 entry's:
-    :func:`tuned_fp8_config`).
+    :func:`resolve_config`).
 
     Two-stage configs get stage-1 slices of one group too (stage 1 then stores y quantized, see
     ``stage1_stores_fp8``), unless ``grid`` = ``(M, E, I, topk, num_sms)`` says that grid would fit
@@ -471,6 +463,177 @@ def fit_shared_memory(cfg: FusedMoEConfig, element_bytes: int, shared_memory: in
                    S2_BLOCK_K=s2_block_k)
 
 
+def nearest_batch(batches, M: int):
+    """The tuned batch size (an int or its string, as the tuned file's keys) nearest ``M``; the smaller on a tie."""
+    return min(batches, key=lambda m: (abs(int(m) - M), int(m)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The resolver: every caller (get_config, the plan build, codegen, the tuner) asks it
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """What a config depends on in a forward's problem."""
+
+    M: int  # tokens
+    E: int  # experts (local)
+    H: int  # hidden size
+    I: int  # expert intermediate size (the gate and up halves of w1 each have I rows)
+    topk: int  # experts per token
+    dtype: torch.dtype  # of the activations (and of 16-bit weights); fp8 weights: see ConfigMode.fp8
+
+
+@dataclass(frozen=True)
+class ConfigMode:
+    """The kind of forward a config is for. Plain 16-bit weights: all False. A one-token (decode) forward takes
+    the plain config; whether it then runs in one launch is ``launches.decodes_in_one_launch``'s rule."""
+
+    lora: bool = False  # adapters passed (fused_moe(lora=...))
+    fp8: bool = False  # fp8 weights, whatever their scale scheme (block, channel, expert): one config serves all
+    deterministic: bool = False  # fused_moe(deterministic=True)
+
+
+def resolve_config(problem: ConfigProblem, mode: ConfigMode, target: Target, config: Optional[FusedMoEConfig] = None,
+                   *, path: str = "auto", tuned_for: Optional[str] = None, config_dir: str = CONFIG_DIR
+                   ) -> FusedMoEConfig:
+    """The fitted config (its ``path`` the path taken) of a forward of ``problem`` in ``mode`` on ``target``.
+
+    ``config``: the caller's, fitted like a picked one (the clamps and atomic-add cap of :func:`fit_config`, the
+    adapters' steps, fp8's fit), or None to pick one: the tuned file of the GPU named ``tuned_for`` (a folder of
+    ``config_dir``, ``device_config_name``; None: no tuned files) by nearest batch size, else the backend's
+    default rules (module docstring). ``path``: "auto" (the config's), "fused" or "two_stage".
+
+    * LoRA: the plain pick (or the caller's) through :func:`fit_lora_config_to_problem`.
+    * fp8: a tuned ``"fp8"`` entry (stored as it ran) where there is one, else the 16-bit pick with its path by
+      :func:`fp8_prefers_two_stage`; then :func:`fit_fp8_config`.
+    * deterministic: the two-stage path without K shares: :func:`_deterministic_pick`, or the caller's config as
+      given (batch invariance is then the caller's choice); adapters fitted with their deltas in the stages.
+    """
+    if mode.deterministic:
+        if path not in ("auto", "two_stage"):
+            raise ValueError(f"deterministic mode runs the two-stage kernels: path must be 'auto' or 'two_stage', "
+                             f"got {path!r}")
+        if config is None:
+            config = _deterministic_pick(problem, mode, target, tuned_for, config_dir)
+            if mode.lora:
+                config = _fit_lora(config, problem, target, in_stages=True)
+        else:
+            config = _fit_given(replace(config, S2_SPLIT_K=1), problem, mode, target, "two_stage", mode.fp8)
+        return fit_fp8_config(config, problem.dtype.itemsize, target.shared_memory) if mode.fp8 else config
+    picked = config is None
+    if picked and mode.fp8:
+        tuned = tuned_config(problem, tuned_for, config_dir, ("fp8",))
+        if tuned is not None:  # measured with fp8 weights: its path too, unless the caller forces one
+            config, picked = tuned, False
+    if config is None:
+        config = _plain_pick(problem, target, path, tuned_for, config_dir)
+        if mode.lora:
+            config = _fit_lora(config, problem, target)
+    elif not mode.fp8:
+        config = _fit_given(config, problem, mode, target, path)
+    if not mode.fp8:
+        return config
+    grid = (problem.M, problem.E, problem.I, problem.topk, target.num_sms)
+
+    def fp8_fit(cfg, fit_path):
+        # The 16-bit fit's clamps only, then fp8's fit: a config that ran, stored by the tuner or passed back by a
+        # caller, must run again as it did. (The 16-bit fit's widening and shared-memory fit, in 16-bit bytes,
+        # changed 142 of the 998 configs the tuner tries at the four fp8 benchmark shapes on a second fit.)
+        return fit_fp8_config(_fit_given(cfg, problem, mode, target, fit_path, fp8_weights=True),
+                              problem.dtype.itemsize, target.shared_memory, grid)
+
+    if not (picked and path == "auto"):
+        return fp8_fit(config, path)
+    # The path by fp8's own rule: the fused fit's grid decides it, the 16-bit pick's path does not.
+    fused = fp8_fit(config, "fused")
+    return fp8_fit(config, "two_stage") if fp8_prefers_two_stage(fused, *grid) else fused
+
+
+def _fit_given(config: FusedMoEConfig, problem: ConfigProblem, mode: ConfigMode, target: Target, path: str,
+               fp8_weights: bool = False) -> FusedMoEConfig:
+    """A caller's (or a tuned fp8) config fitted like a picked one: :func:`fit_config` (``fp8_weights``: its clamps
+    only) on ``target``, then with adapters :func:`fit_lora_config_to_problem`."""
+    config = fit_config(config, problem.H, problem.I, problem.topk, problem.dtype, path, backend=target.backend,
+                        shared_memory=target.shared_memory, fp8_weights=fp8_weights)
+    return _fit_lora(config, problem, target, in_stages=True if mode.deterministic else None) if mode.lora else config
+
+
+def _fit_lora(config: FusedMoEConfig, problem: ConfigProblem, target: Target,
+              in_stages: Optional[bool] = None) -> FusedMoEConfig:
+    """:func:`fit_lora_config_to_problem` of ``problem`` on ``target``."""
+    return fit_lora_config_to_problem(config, problem.M, problem.E, problem.H, problem.I, problem.topk, problem.dtype,
+                                      target.num_sms, target.backend, target.shared_memory, in_stages=in_stages)
+
+
+def _defaults(config_dir: str) -> dict:
+    """``defaults.json`` of ``config_dir``, else fmoe2's own."""
+    return _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(os.path.join(CONFIG_DIR, "defaults.json"))
+
+
+def tuned_config(problem: ConfigProblem, tuned_for: Optional[str], config_dir: str = CONFIG_DIR,
+                 sections: tuple = (None,)) -> Optional[FusedMoEConfig]:
+    """The entry nearest ``problem.M`` (:func:`nearest_batch`) of the tuned file of ``problem``'s shape in the
+    folder ``tuned_for`` of ``config_dir``, as stored (not fitted); None without one. ``sections``: where to
+    look, in order, a later one's batch size replacing an earlier one's: None for the file's plain batch sizes,
+    ``"deterministic"`` / ``"fp8"`` for the entries ``python -m fmoe2.tune`` writes for those modes."""
+    if tuned_for is None:
+        return None
+    tuned_file = _load_json(os.path.join(config_dir, tuned_for, shape_file_name(problem.E, problem.H, problem.I,
+                                                                                problem.topk, problem.dtype))) or {}
+    entries = {}
+    for section in sections:
+        items = ((m, c) for m, c in tuned_file.items() if m.isdigit()) if section is None else \
+            tuned_file.get(section, {}).items()
+        entries.update((int(m), c) for m, c in items)
+    if not entries:
+        return None
+    return FusedMoEConfig.from_dict(entries[nearest_batch(entries, problem.M)])
+
+
+def _plain_pick(problem: ConfigProblem, target: Target, path: str, tuned_for: Optional[str],
+                config_dir: str) -> FusedMoEConfig:
+    """The 16-bit pick: the tuned file's nearest batch size, else the first default rule with
+    ``M*topk/E <= max_tokens_per_expert`` (the last one beyond them all); fitted (:func:`fit_config`)."""
+    cfg = tuned_config(problem, tuned_for, config_dir)
+    if cfg is None:
+        rules = BACKENDS[target.backend].default_rules(_defaults(config_dir), target)
+        tokens_per_expert = problem.M * problem.topk / problem.E
+        cfg = FusedMoEConfig.from_dict(next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]),
+                                            rules[-1]))
+    return fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, path, target.backend,
+                      shared_memory=target.shared_memory)
+
+
+def _deterministic_pick(problem: ConfigProblem, mode: ConfigMode, target: Target, tuned_for: Optional[str],
+                        config_dir: str) -> FusedMoEConfig:
+    """The config of deterministic mode: always the two-stage path with ``S2_SPLIT_K=1`` (no K shares to add),
+    and a tiling under which a token's row has the same bits whatever M is (batch invariance).
+
+    The tiling decides the order of a row's additions only through what it hands the matrix instructions: the K
+    loop chains them in K order whatever the tile sizes. Where the backend's rules say a row's bits do not depend
+    on the tiling (``deterministic_takes_the_pick``: CUDA sm_90 with bf16 weights and no adapters or fp8 weights,
+    measured: docs/numerics.md#deterministic-mode) the tuned config of the nearest batch size, one tuned for
+    deterministic mode (a tuned file's ``"deterministic"`` entry, ``python -m fmoe2.tune --deterministic``)
+    else the file's plain one, on the two-stage path; without a tuned file the two-stage pick of the default
+    rules. Everywhere else one config for every M: the backend's entry in the ``"deterministic"`` section of
+    ``defaults.json`` (a ``config_dir`` whose file has none: fmoe2's own)."""
+    backend = BACKENDS[target.backend]
+    rules = (_load_json(os.path.join(config_dir, "defaults.json")) or {}).get("deterministic") or \
+        _load_json(os.path.join(CONFIG_DIR, "defaults.json"))["deterministic"]
+    if backend.deterministic_takes_the_pick(rules, target, problem.dtype, mode.lora, mode.fp8):
+        nearest = tuned_config(problem, tuned_for, config_dir, (None, "deterministic"))
+        if nearest is not None:
+            cfg = fit_config(replace(nearest, path="two_stage"), problem.H, problem.I, problem.topk, problem.dtype,
+                             "two_stage", target.backend, shared_memory=target.shared_memory)
+        else:
+            cfg = _plain_pick(problem, target, "two_stage", None, config_dir)
+        return replace(cfg, S2_SPLIT_K=1)
+    cfg = replace(FusedMoEConfig.from_dict(backend.deterministic_entry(rules, target)), path="two_stage", S2_SPLIT_K=1)
+    return fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, "two_stage", target.backend,
+                      shared_memory=target.shared_memory)
+
+
 def get_config(
     M: int,
     E: int,
@@ -487,121 +650,33 @@ def get_config(
     tuned: bool = True,
     lora: bool = False,
     deterministic: bool = False,
+    fp8: bool = False,
     cuda_arch: Optional[int] = None,
     tuned_for: Optional[str] = None,
 ) -> FusedMoEConfig:
-    """Picks the fused-kernel config for one problem (see the module docstring).
+    """The config ``fused_moe`` runs for one problem (:func:`resolve_config`; the module docstring).
 
-    ``backend`` ("cuda"/"hip") and ``arch`` (e.g. "gfx950") default to the current device;
-    ``fmoe2.codegen`` passes them to pick configs for a GPU that is not there. ``path`` ("fused"
-    or "two_stage") forces a path; the picked tiling is then refitted to it. ``tuned=False``
-    skips tuned files: the shipped defaults, as on a GPU without a tuned file for the shape.
-    ``lora=True``: the config for a forward with adapters, on the plain pick's path, passed through
-    :func:`fit_lora_config_to_problem`.
-    ``deterministic=True``: the config of deterministic mode (:func:`deterministic_config`; ``cuda_arch``,
-    e.g. 90, for a CUDA GPU that is not there), with adapters fitted with their deltas in the stages.
-    ``tuned_for``: the name of a GPU (``device_config_name``, e.g. ``"NVIDIA_H200"``) whose tuned files to read,
-    also when ``backend``/``arch`` name a GPU that is not here (``fmoe2.codegen --tuned-for`` compiles them).
+    ``dtype``: of the activations. ``device``: the GPU (default the current one). ``backend`` ("cuda"/"hip") and
+    ``arch`` (e.g. "gfx950") name a GPU that is not there: its default rules with
+    ``DEFAULT_SHARED_MEMORY`` and no tuned files (better: :func:`resolve_config` with a
+    :data:`fmoe2.target.NAMED_TARGETS` entry, as ``fmoe2.codegen`` does). ``path`` ("fused" or "two_stage")
+    forces a path; the picked tiling is then refitted to it. ``tuned=False`` skips tuned files: the shipped
+    defaults, as on a GPU without a tuned file for the shape. ``lora=True``: with adapters. ``fp8=True``: with fp8
+    weights (any scale scheme). ``deterministic=True``: deterministic mode (``cuda_arch``, e.g. 90, for a CUDA GPU
+    that is not there). ``tuned_for``: the name of a GPU (``device_config_name``, e.g. ``"NVIDIA_H200"``) whose
+    tuned files to read, also when ``backend``/``arch`` name a GPU that is not here (not in deterministic mode).
     """
-    if deterministic:
-        if path not in ("auto", "two_stage"):
-            raise ValueError(f"deterministic mode runs the two-stage kernels: path must be 'auto' or 'two_stage', "
-                             f"got {path!r}")
-        cfg = deterministic_config(M, E, H, I, topk, dtype, device=device, backend=backend, arch=arch,
-                                   cuda_arch=cuda_arch, config_dir=config_dir, tuned=tuned, lora=lora)
+    here = target_of(device)
+    foreign = (backend is not None and backend != current_backend()) or arch is not None
+    if foreign:
+        backend = backend or current_backend()
+        target = Target(backend, arch if arch is not None else cuda_arch if backend == "cuda" else None,
+                        here.num_sms, DEFAULT_SHARED_MEMORY)
     else:
-        cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned, tuned_for)
-    if not lora:
-        return cfg
-    target = target_of(device)
-    return fit_lora_config_to_problem(cfg, M, E, H, I, topk, dtype, target.num_sms, backend, target.shared_memory,
-                                      in_stages=True if deterministic else None)
-
-
-def nearest_batch(batches, M: int):
-    """The tuned batch size (an int or its string, as the tuned file's keys) nearest ``M``; the smaller on a tie."""
-    return min(batches, key=lambda m: (abs(int(m) - M), int(m)))
-
-
-def deterministic_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, *,
-                         device: Optional[torch.device] = None, backend: Optional[str] = None,
-                         arch: Optional[str] = None, cuda_arch: Optional[int] = None, config_dir: str = CONFIG_DIR,
-                         tuned: bool = True, lora: bool = False, fp8: bool = False) -> FusedMoEConfig:
-    """The config of deterministic mode: always the two-stage path with ``S2_SPLIT_K=1`` (no K shares to
-    add), and a tiling under which a token's row has the same bits whatever M is (batch invariance).
-
-    The tiling decides the order of a row's additions only through what it hands the matrix instructions:
-    the K loop chains them in K order whatever the tile sizes. On the GPUs listed under
-    ``"tiling_free_cuda_archs"`` in the ``"deterministic"`` section of ``configs/defaults.json`` a row's
-    bits were measured not to depend on the tiling (H100, sm_90: tiles of 16 to 128 rows, mma and wgmma,
-    BLOCK_K 32 to 128, 2 to 8 warps, the tuned configs; docs/numerics.md#deterministic-mode): there a
-    forward with bf16 weights (the dtype measured) and no adapters takes the tuned config of the nearest
-    batch size: one
-    tuned for deterministic mode (a tuned file's ``"deterministic"`` entry, ``python -m fmoe2.tune
-    --deterministic``), else the file's plain one on the two-stage path; without a tuned file the two-stage
-    pick of the default rules (:func:`get_config`). Everywhere else, with fp16/fp32, and with adapters (stage 2 sums
-    the slices' partial down shrinks, as many as stage 1's slices, in steps of a size set by BLOCK_M) or
-    fp8 weights (not measured), one config for every M: the backend's entry in that section.
-    ``cuda_arch`` (e.g. 90): of a CUDA GPU that is not there (``fmoe2.codegen``); default the device's."""
-    foreign = (backend is not None and backend != current_backend()) or arch is not None
-    backend = backend or current_backend()
-    defaults = _load_json(os.path.join(config_dir, "defaults.json")) or {}
-    # A config_dir whose defaults.json has no deterministic section (written before it existed): fmoe2's own.
-    rules = defaults.get("deterministic") or _load_json(os.path.join(CONFIG_DIR, "defaults.json"))["deterministic"]
-    if cuda_arch is None and backend == "cuda" and not foreign:
-        cuda_arch = target_of(device).cuda_arch
-    shared_memory = DEFAULT_SHARED_MEMORY if foreign else target_of(device).shared_memory
-    if (backend == "cuda" and cuda_arch in rules["tiling_free_cuda_archs"] and dtype == torch.bfloat16
-            and not lora and not fp8):
-        tuned_file = None if foreign or not tuned else _load_json(
-            os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
-        # The batch sizes tuned for deterministic mode, and the others of the file as two-stage configs.
-        entries = {int(m): c for m, c in (tuned_file or {}).items() if m.isdigit()}
-        entries.update({int(m): c for m, c in (tuned_file or {}).get("deterministic", {}).items()})
-        if entries:
-            nearest = FusedMoEConfig.from_dict(entries[nearest_batch(entries, M)])
-            cfg = fit_config(replace(nearest, path="two_stage"), H, I, topk, dtype, "two_stage", backend,
-                             shared_memory=shared_memory)
-        else:
-            cfg = _pick_config(M, E, H, I, topk, dtype, device, backend, arch, "two_stage", config_dir, tuned)
-        return replace(cfg, S2_SPLIT_K=1)
-    entry = rules.get(arch or _arch_key(device) or "", None) or rules[backend]
-    cfg = replace(FusedMoEConfig.from_dict(entry), path="two_stage", S2_SPLIT_K=1)
-    return fit_config(cfg, H, I, topk, dtype, "two_stage", backend, shared_memory=shared_memory)
-
-
-def tuned_fp8_config(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, *,
-                     device: Optional[torch.device] = None, config_dir: str = CONFIG_DIR) -> Optional[FusedMoEConfig]:
-    """The config ``python -m fmoe2.tune --dtype fp8`` measured fastest with fp8 weights at the tuned batch
-    size nearest ``M``: the ``"fp8"`` entry of this GPU's tuned file of the shape (named by the activations'
-    ``dtype``), stored as it ran (fitted to fp8 at its batch size); None where there is none, and then the
-    16-bit pick is fitted to fp8 (:func:`fit_fp8_config`). Tuned with block scales; it serves every scheme."""
-    tuned_file = _load_json(os.path.join(config_dir, device_config_name(device), shape_file_name(E, H, I, topk, dtype)))
-    entries = (tuned_file or {}).get("fp8") or {}
-    if not entries:
-        return None
-    return FusedMoEConfig.from_dict(entries[nearest_batch(entries, M)])
-
-
-def _pick_config(M, E, H, I, topk, dtype, device, backend, arch, path, config_dir, tuned,
-                 tuned_for=None) -> FusedMoEConfig:
-    """The plain pick of :func:`get_config`: tuned file (nearest batch) or the shipped default rules."""
-    # Tuned files belong to the GPU that is here (or the one named by tuned_for): not used when configs for another
-    # backend/arch are asked.
-    foreign = (backend is not None and backend != current_backend()) or arch is not None
-    backend = backend or current_backend()
-    shared_memory = DEFAULT_SHARED_MEMORY if foreign else target_of(device).shared_memory
-    directory = tuned_for if tuned_for is not None else None if foreign else device_config_name(device)
-    tuned_file = None if directory is None or not tuned else _load_json(
-        os.path.join(config_dir, directory, shape_file_name(E, H, I, topk, dtype)))
-    batches = [m for m in tuned_file or () if m.isdigit()]  # (not the "deterministic" entry)
-    if batches:
-        nearest = FusedMoEConfig.from_dict(tuned_file[nearest_batch(batches, M)])
-        return fit_config(nearest, H, I, topk, dtype, path, backend, shared_memory=shared_memory)
-
-    defaults = _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(
-        os.path.join(CONFIG_DIR, "defaults.json"))
-    rules = defaults.get(arch or _arch_key(device) or "", None) or defaults[backend]
-    tokens_per_expert = M * topk / E
-    rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])
-    return fit_config(FusedMoEConfig.from_dict(rule), H, I, topk, dtype, path, backend, shared_memory=shared_memory)
+        target = replace(here, arch=cuda_arch) if cuda_arch is not None and here.backend == "cuda" else here
+    # Tuned files belong to the GPU that is here (or the one named by tuned_for).
+    folder = None if foreign or not tuned else device_config_name(device)
+    if tuned and tuned_for is not None and not deterministic:
+        folder = tuned_for
+    return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(lora, fp8, deterministic), target,
+                          path=path, tuned_for=folder, config_dir=config_dir)

@@ -11,7 +11,6 @@ Under ``torch.compile`` the call is the registered op ``torch.ops.fmoe2.fused_mo
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Optional, Tuple, Union
 
 import torch
@@ -24,8 +23,7 @@ from ..activations import ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
 from ..fp8 import FP8_DTYPES
 from .decode import one_launch_allowed
-from .config import (PATHS, FusedMoEConfig, deterministic_config, fit_config, fit_fp8_config, fit_lora_config_to_problem,
-                     fp8_prefers_two_stage, get_config, tuned_fp8_config)
+from .config import PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name, resolve_config
 from .launches import MoEProblem
 from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
@@ -443,77 +441,12 @@ def clear_plans() -> None:
 
 
 def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
-    """The config a forward runs: ``get_config``'s pick, or the caller's fitted like one. With fp8 weights:
-    the tuned fp8 entry (:func:`~fmoe2.gemm.config.tuned_fp8_config`) where there is one, else the 16-bit pick
-    with its path by :func:`fp8_prefers_two_stage`; then :func:`fit_fp8_config`."""
-    if problem.deterministic:
-        return deterministic_config_of(problem, config, target)
-    picked = config is None
-    if picked and problem.fp8:
-        tuned = tuned_fp8_config(problem.num_tokens, problem.num_experts, problem.hidden_size,
-                                 problem.intermediate_size, problem.topk, problem.x.dtype, device=problem.x.device)
-        if tuned is not None:  # measured with fp8 weights: its path too, unless the caller forces one
-            config, picked = tuned, False
-    if config is None:
-        config = get_config(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
-                            problem.topk, problem.x.dtype, device=problem.x.device, path=path,
-                            lora=problem.lora is not None)
-    elif not problem.fp8:
-        config = fit_given_config(config, problem, path, target)
-    if problem.fp8:
-        grid = (problem.num_tokens, problem.num_experts, problem.intermediate_size, problem.topk, target.num_sms)
-
-        def fp8_fit(cfg, fit_path):
-            # The 16-bit fit's clamps only, then fp8's fit: a config that ran, stored by the tuner or passed back
-            # by a caller, must run again as it did. (The 16-bit fit's widening and shared-memory fit, in 16-bit
-            # bytes, changed 142 of the 998 configs the tuner tries at the four fp8 benchmark shapes on a second
-            # fit.)
-            return fit_fp8_config(fit_given_config(cfg, problem, fit_path, target, fp8_weights=True),
-                                  problem.x.element_size(), target.shared_memory, grid)
-
-        if not (picked and path == "auto"):
-            return fp8_fit(config, path)
-        # The path by fp8's own rule: the fused fit's grid decides it, the 16-bit pick's path does not.
-        fused = fp8_fit(config, "fused")
-        if fp8_prefers_two_stage(fused, *grid):
-            return fp8_fit(config, "two_stage")
-        return fused
-    return config
-
-
-def deterministic_config_of(problem: MoEProblem, config: Optional[FusedMoEConfig], target: Target) -> FusedMoEConfig:
-    """Deterministic mode's config: :func:`~fmoe2.gemm.config.deterministic_config`'s, or the caller's on the
-    two-stage path without K shares (batch invariance is then the caller's choice of configs); with fp8
-    weights :func:`fit_fp8_config` without a grid (stage 1 then always stores y quantized per 128 columns)."""
-    if config is None:
-        config = deterministic_config(problem.num_tokens, problem.num_experts, problem.hidden_size,
-                                      problem.intermediate_size, problem.topk, problem.x.dtype, device=problem.x.device,
-                                      lora=problem.lora is not None, fp8=problem.fp8)
-        if problem.lora is not None:
-            config = fit_lora_config_to_problem(config, problem.num_tokens, problem.num_experts, problem.hidden_size,
-                                                problem.intermediate_size, problem.topk, problem.x.dtype,
-                                                target.num_sms, target.backend, target.shared_memory, in_stages=True)
-    else:
-        config = fit_given_config(replace(config, S2_SPLIT_K=1), problem, "two_stage", target, fp8_weights=problem.fp8)
-    if problem.fp8:
-        return fit_fp8_config(config, problem.x.element_size(), target.shared_memory)
-    return config
-
-
-def fit_given_config(config: FusedMoEConfig, problem: MoEProblem, path: str = "auto",
-                     target: Optional[Target] = None, fp8_weights: bool = False) -> FusedMoEConfig:
-    """A caller's config fitted like a picked one: clamps and the atomic-add precision cap
-    (:func:`fit_config`), and with adapters their steps (:func:`fit_lora_config_to_problem`). ``fp8_weights``:
-    :func:`fit_config`'s clamps only (:func:`fit_fp8_config` fits the rest)."""
-    target = target or target_of(problem.x.device)
-    config = fit_config(config, problem.hidden_size, problem.intermediate_size, problem.topk, problem.x.dtype, path,
-                        backend=target.backend, shared_memory=target.shared_memory, fp8_weights=fp8_weights)
-    if problem.lora is None:
-        return config
-    return fit_lora_config_to_problem(config, problem.num_tokens, problem.num_experts, problem.hidden_size,
-                                      problem.intermediate_size, problem.topk, problem.x.dtype, target.num_sms,
-                                      target.backend, shared_memory=target.shared_memory,
-                                      in_stages=True if problem.deterministic else None)
+    """The fitted config a forward of ``problem`` runs on ``target``: :func:`~fmoe2.gemm.config.resolve_config`'s
+    (``config``: the caller's, or None), reading the tuned files of the GPU that holds ``problem``'s tensors."""
+    mode = ConfigMode(lora=problem.lora is not None, fp8=problem.fp8, deterministic=problem.deterministic)
+    shape = ConfigProblem(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
+                          problem.topk, problem.x.dtype)
+    return resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
 
 
 def run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,

@@ -4,7 +4,7 @@ A plan is built by the first call with a given key (``fused_moe.py`` makes the k
 strides and devices of every tensor, which optional tensors are given, batch size, activation,
 path, config, and whether every pointer is 16-byte aligned). It holds:
 
-* the config, picked and fitted once (``get_config`` / ``fit_given_config``) for the
+* the config, picked and fitted once (``config.resolve_config``, through ``pick_config``) for the
   :class:`~fmoe2.target.Target` (the backend rules: ``launches.py``);
 * the layout of the one scratch allocation of a call (the sort's buffers and, on the two-stage
   path, the workspace: ``forward_buffers``);

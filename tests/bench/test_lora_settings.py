@@ -31,7 +31,8 @@ def test_lora_settings_sweep_reaches_the_launches():
     # the launches use.
     from fmoe2.bench.lora_settings import lora_configs_as_given, two_stage_lora_settings
     from fmoe2.codegen import _meta_lora
-    from fmoe2.gemm.fused_moe import fit_given_config
+    from fmoe2.gemm.fused_moe import pick_config
+    from fmoe2.target import target_of
     from fmoe2.gemm.launches import MoEProblem, TwoStageWorkspace, lora_expand_launch, lora_shrink_launch
     from fmoe2.sorting import MoESortingResult
     from fmoe2.target import NAMED_TARGETS
@@ -45,9 +46,9 @@ def test_lora_settings_sweep_reaches_the_launches():
     problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
     problem.token_lora_ids = torch.empty(M, dtype=torch.int32, device="meta")
     fused = FusedMoEConfig(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, BLOCK_H=128, num_warps=4, num_stages=4)
-    assert fit_given_config(fused, problem).num_warps == 8  # past one wave the fit takes 8 warps ...
+    assert pick_config(problem, fused, "auto", target_of(problem.x.device)).num_warps == 8  # past one wave the fit takes 8 warps ...
     with lora_configs_as_given():
-        assert fit_given_config(fused, problem) == fused  # ... the sweep runs the config as given
+        assert pick_config(problem, fused, "auto", target_of(problem.x.device)) == fused  # ... the sweep runs the config as given
     sorting = MoESortingResult.allocate(M * topk, E, 128, M, "meta", count_lora_tokens=True)
     workspace = TwoStageWorkspace.allocate(problem, sorting, fused, sm90)
     with two_stage_lora_settings(2, 3, 32, 128):

@@ -230,12 +230,13 @@ def test_lora_pick_keeps_the_plain_path_and_fits_the_stages_that_carry_adapters(
 
 
 def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
-    # get_config(lora=True) and a caller's config (fit_given_config) both fit by the problem's grid. Without a
+    # get_config(lora=True) and a caller's config (pick_config) both fit by the problem's grid. Without a
     # GPU the target has DEFAULT_NUM_SMS (132): DeepSeek-V2-Lite's grid is one wave up to M=2
     # (12 tiles x 11 slices), not at M=3 (18 x 11).
     from fmoe2.codegen import _meta_lora
     from fmoe2.target import DEFAULT_NUM_SMS, target_of
-    from fmoe2.gemm.fused_moe import MoEProblem, fit_given_config
+    from fmoe2.gemm.fused_moe import MoEProblem, pick_config
+    from fmoe2.target import target_of
 
     assert target_of(torch.device("cpu")).num_sms == DEFAULT_NUM_SMS == 132
     E, H, I, topk = 64, 2048, 1408, 6
@@ -251,7 +252,7 @@ def test_lora_fit_counts_the_grid_of_the_problem(tmp_path):
         problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta),
                              False, E, H, I, topk)
         problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
-        given = fit_given_config(FusedMoEConfig(**fused), problem)
+        given = pick_config(problem, FusedMoEConfig(**fused), "auto", target_of(problem.x.device))
         assert (given.num_warps, given.lora_num_stages) == expected, M
 
 
@@ -334,7 +335,7 @@ def test_plain_loops_fit_shared_memory_for_the_input_dtype():
                          path="two_stage", S2_BLOCK_N=256, S2_BLOCK_K=64, s2_num_stages=4)
     fitted = fit_shared_memory(two, 4)
     assert (fitted.num_stages, fitted.BLOCK_K, fitted.s2_num_stages, fitted.S2_BLOCK_K) == (3, 64, 3, 64)
-    # A caller's config is fitted too (fused_moe, through fit_given_config).
+    # A caller's config is fitted too (fused_moe, through pick_config).
     assert fit_config(two, 2048, 768, 8, torch.float32) == fitted
 
 
@@ -344,7 +345,8 @@ def test_lora_fit_widens_narrow_fused_slices_beyond_one_wave(tmp_path):
     # the plain forward, 128 columns 1.09x). Within one wave (Qwen3 M=1: 8 tiles x 12 slices of 64) they stay.
     from fmoe2.codegen import _meta_lora
     from fmoe2.gemm.config import LORA_MIN_BLOCK_N, fit_lora_config_to_problem
-    from fmoe2.gemm.fused_moe import MoEProblem, fit_given_config
+    from fmoe2.gemm.fused_moe import MoEProblem, pick_config
+    from fmoe2.target import target_of
 
     E, H, I, topk = 128, 2048, 768, 8
     narrow = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128, num_warps=4, num_stages=4, tma=True)
@@ -382,7 +384,7 @@ def test_lora_fit_widens_narrow_fused_slices_beyond_one_wave(tmp_path):
         problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(E, 2 * I, H, **meta), torch.empty(E, H, I, **meta),
                              False, E, H, I, topk)
         problem.lora = _meta_lora(2, E, H, I, 16, torch.bfloat16)
-        assert fit_given_config(narrow, problem) == pick, M
+        assert pick_config(problem, narrow, "auto", target_of(problem.x.device)) == pick, M
 
 
 def test_codegen_knows_the_multiprocessors_of_every_target():

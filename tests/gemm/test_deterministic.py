@@ -15,7 +15,7 @@ import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, get_config, prepare_weights
 from fmoe2.bench.timing import capture_graph
 from fmoe2.gemm.combine_kernel import _combine_slots_kernel
-from fmoe2.gemm.config import CONFIG_DIR, _load_json, deterministic_config
+from fmoe2.gemm.config import CONFIG_DIR, _load_json
 from fmoe2.target import target_of
 from fmoe2.gemm.fused_moe import forward_launches, plan_of
 from helpers import (DEVICE, SMALL_PROBLEMS, assert_matches_reference, make_lora, make_problem, make_token_lora_ids,
@@ -68,11 +68,11 @@ def test_config_is_the_same_for_every_batch_size_but_where_tilings_were_measured
         cfg = get_config(M, *shape, torch.bfloat16, deterministic=True, backend="cuda", cuda_arch=90)
         assert cfg == replace(get_config(M, *shape, torch.bfloat16, backend="cuda", path="two_stage"), S2_SPLIT_K=1)
         assert cfg.S2_SPLIT_K == 1 and cfg.path == "two_stage"
-    assert len({deterministic_config(M, *shape, torch.bfloat16, backend="cuda", cuda_arch=90, lora=True)
+    assert len({get_config(M, *shape, torch.bfloat16, deterministic=True, backend="cuda", cuda_arch=90, lora=True)
                 for M in batches}) == 1
-    assert len({deterministic_config(M, *shape, torch.float16, backend="cuda", cuda_arch=90)
+    assert len({get_config(M, *shape, torch.float16, deterministic=True, backend="cuda", cuda_arch=90)
                 for M in (1, 16, 128, 1024, 4096)}) == 1  # fp16: not measured, one tiling
-    assert len({deterministic_config(M, *shape, torch.bfloat16, backend="cuda", cuda_arch=90, fp8=True)
+    assert len({get_config(M, *shape, torch.bfloat16, deterministic=True, backend="cuda", cuda_arch=90, fp8=True)
                 for M in batches}) == 1
     with pytest.raises(ValueError, match="two-stage"):
         get_config(1, *shape, torch.bfloat16, deterministic=True, path="fused")
@@ -93,8 +93,8 @@ def test_tuned_entries_for_deterministic_mode_and_the_plain_ones_by_nearest_batc
          "deterministic": {"1": decode.to_dict(), "16": replace(decode, BLOCK_N=64).to_dict()}}))
 
     def pick(M, **kw):
-        return deterministic_config(M, E, H, I, topk, torch.bfloat16, backend="cuda", cuda_arch=90,
-                                    config_dir=str(tmp_path), device=torch.device("cpu"), **kw)
+        return get_config(M, E, H, I, topk, torch.bfloat16, deterministic=True, backend="cuda", cuda_arch=90,
+                          config_dir=str(tmp_path), device=torch.device("cpu"), **kw)
 
     assert pick(1).BLOCK_N == 32 and pick(20).BLOCK_N == 64  # the deterministic entries
     assert pick(3000) == replace(plain, S2_SPLIT_K=1)  # the plain entry, without its K shares
@@ -263,9 +263,9 @@ def test_a_callers_fused_config_runs_on_the_two_stage_path():
 def test_a_config_dir_without_a_deterministic_section_takes_fmoe2s(tmp_path):
     defaults = _load_json(f"{CONFIG_DIR}/defaults.json")
     (tmp_path / "defaults.json").write_text(json.dumps({k: v for k, v in defaults.items() if k != "deterministic"}))
-    mine = deterministic_config(64, 8, 256, 128, 2, torch.float16, backend="cuda", cuda_arch=80,
-                                config_dir=str(tmp_path))
-    assert mine == deterministic_config(64, 8, 256, 128, 2, torch.float16, backend="cuda", cuda_arch=80)
+    mine = get_config(64, 8, 256, 128, 2, torch.float16, deterministic=True, backend="cuda", cuda_arch=80,
+                      config_dir=str(tmp_path))
+    assert mine == get_config(64, 8, 256, 128, 2, torch.float16, deterministic=True, backend="cuda", cuda_arch=80)
 
 
 def test_the_op_takes_the_mode(deterministic_off):

@@ -502,9 +502,14 @@ def test_tuned_fp8_entries_are_read_by_nearest_batch_and_run_with_their_path(tmp
     import importlib
     import json
 
-    from fmoe2.gemm.config import FusedMoEConfig, device_config_name, shape_file_name, tuned_fp8_config
+    from fmoe2.gemm.config import ConfigProblem, FusedMoEConfig, device_config_name, shape_file_name, tuned_config
+
+    def tuned_fp8_config(M, E, H, I, topk, dtype, device, config_dir):
+        return tuned_config(ConfigProblem(M, E, H, I, topk, dtype), device_config_name(torch.device(device)),
+                            config_dir, ("fp8",))
 
     fused_moe_module = importlib.import_module("fmoe2.gemm.fused_moe")  # (the package exports the function)
+    config_module = importlib.import_module("fmoe2.gemm.config")
     E, H, I, topk = 6, 200, 136, 3
     assert tuned_fp8_config(4, E, H, I, topk, DTYPE, device=DEVICE, config_dir=str(tmp_path / "none")) is None
     two_stage = FusedMoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, BLOCK_H=128, path="two_stage", S2_BLOCK_N=64,
@@ -516,8 +521,8 @@ def test_tuned_fp8_entries_are_read_by_nearest_batch_and_run_with_their_path(tmp
         {"1": fused.to_dict(), "fp8": {"1": two_stage.to_dict(), "64": fused.to_dict()}}))
     assert tuned_fp8_config(13, E, H, I, topk, DTYPE, device=DEVICE, config_dir=str(tmp_path)) == two_stage
     assert tuned_fp8_config(40, E, H, I, topk, DTYPE, device=DEVICE, config_dir=str(tmp_path)) == fused
-    monkeypatch.setattr(fused_moe_module, "tuned_fp8_config",
-                        lambda *args, **kwargs: tuned_fp8_config(*args, **kwargs, config_dir=str(tmp_path)))
+    monkeypatch.setattr(config_module, "tuned_config", lambda problem, tuned_for, config_dir, sections=(None,):
+                        tuned_config(problem, tuned_for, str(tmp_path), sections) if sections == ("fp8",) else None)
     fused_moe_module.clear_plans()
     try:
         for M, path, expected in ((13, "auto", two_stage), (40, "auto", fused), (13, "fused", None)):

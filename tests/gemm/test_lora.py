@@ -343,13 +343,13 @@ def test_auto_path_with_lora_runs_the_picked_two_stage_path(monkeypatch):
 
 def test_auto_path_with_lora_at_decode_computes_the_deltas_in_the_two_stages(monkeypatch):
     M, E, H, I, topk = 2, 4, 32, 24, 2  # 1 routed row per expert (LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT)
-    real_pick = config_module._pick_config
+    real_pick = config_module._plain_pick
 
-    def two_stage_pick(M, E, H, I, topk, dtype, device, backend, arch, path, *rest):  # like a tuned file's
-        picked = real_pick(M, E, H, I, topk, dtype, device, backend, arch, path, *rest)
+    def two_stage_pick(problem, target, path, *rest):  # like a tuned file's
+        picked = real_pick(problem, target, path, *rest)
         return replace(picked, path="two_stage") if path == "auto" else picked
 
-    monkeypatch.setattr(config_module, "_pick_config", two_stage_pick)
+    monkeypatch.setattr(config_module, "_plain_pick", two_stage_pick)
     assert fmoe2.get_config(M, E, H, I, topk, torch.float16, lora=True).path == "two_stage"
     names = launch_names(monkeypatch)
     run_and_check(M, E, H, I, topk, 16, torch.float16, config=None)
