@@ -1,10 +1,9 @@
 """The gated activations fmoe2 knows: one table, name -> what the activation reads (floor 0, see
 ``tests/test_layers.py``: the host checks, the launches, the ops and the references all read it here).
 
-The kernels compute each activation by name (``_gated_activation`` in ``fmoe2/gemm/fused_moe_kernel.py``);
-a name missing from :data:`ACTIVATION_TABLE` is refused on the host before any launch
-(``check_activation_args`` in ``fmoe2/gemm/fused_moe.py``), because the kernel's chain of names would
-compute its last branch for it.
+The kernels compute each activation with its own ``@triton.jit`` function (``fmoe2/gemm/activations.py``, whose
+dispatch has no fall-through: an unknown name fails the compile); a name missing from :data:`ACTIVATION_TABLE` is
+refused on the host before any launch (``check_activation_args`` in ``fmoe2/gemm/fused_moe.py``).
 """
 from __future__ import annotations
 

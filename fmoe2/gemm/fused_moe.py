@@ -19,7 +19,7 @@ from ..determinism import deterministic_enabled, fused_path_under_the_switch
 from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_inference_only, check_interpreter_dtype, check_out_overlaps,
                            check_same_device, check_tensor, on_device)
 from ..launch import PlanCache, direct_launches, run_bound, tracing
-from ..activations import ACTIVATIONS, SWIGLU_ALPHA
+from ..activations import ACTIVATION_TABLE, ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
 from ..fp8 import FP8_DTYPES
 from .decode import one_launch_allowed
@@ -222,12 +222,13 @@ def check_activation_args(activation, swiglu_alpha, swiglu_limit):
     if swiglu_alpha is None or not math.isfinite(swiglu_alpha):
         raise ValueError(f"swiglu_alpha must be a finite float, got {swiglu_alpha!r}")
     if swiglu_limit is not None:
-        if activation not in ("silu", "swiglu_oai"):
-            raise ValueError(f"swiglu_limit clamps silu and swiglu_oai only, not activation={activation!r}")
+        if not ACTIVATION_TABLE[activation].takes_limit:
+            takers = " and ".join(a.name for a in ACTIVATION_TABLE.values() if a.takes_limit)
+            raise ValueError(f"swiglu_limit clamps {takers} only, not activation={activation!r}")
         if not swiglu_limit > 0 or not math.isfinite(swiglu_limit):
             raise ValueError(f"swiglu_limit must be a positive finite float or None, got {swiglu_limit!r}")
         swiglu_limit = float(swiglu_limit)
-    return (float(swiglu_alpha) if activation == "swiglu_oai" else SWIGLU_ALPHA), swiglu_limit
+    return (float(swiglu_alpha) if ACTIVATION_TABLE[activation].reads_alpha else SWIGLU_ALPHA), swiglu_limit
 
 
 def check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared):

@@ -362,6 +362,105 @@ def _quantize_x_rows(x_ptr, x_q_ptr, x_scale_ptr, num_x_rows, x_cols, stride_x_m
         tl.store(x_scale_ptr + rows * groups + group, scale, mask=row_valid)
 
 
+@triton.jit
+def _zero_out(out_ptr, out_numel, zero_pid, num_zero_programs, ZERO_BLOCK: tl.constexpr):
+    """One of ``num_zero_programs`` programs zeroing ``out`` [out_numel], ZERO_BLOCK elements a store."""
+    zero_offs = tl.arange(0, ZERO_BLOCK)
+    zeros = tl.zeros([ZERO_BLOCK], dtype=out_ptr.dtype.element_ty)
+    step = num_zero_programs.to(tl.int64) * ZERO_BLOCK
+    for start in range(zero_pid.to(tl.int64) * ZERO_BLOCK, out_numel, step):
+        offs = start + zero_offs
+        tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
+
+
+@triton.jit
+def _scan_expert(topk_ids_ptr, topk_weights_ptr, expert_map_ptr, token_lora_ids_ptr, sorted_token_ids_ptr,
+                 sorted_weights_ptr, expert, part, num_parts, num_entries, num_global_experts, num_loras,
+                 TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, SCAN_BLOCK: tl.constexpr,
+                 HAS_EXPERT_MAP: tl.constexpr, EXPANDED_IDS: tl.constexpr, LORA_KEYS: tl.constexpr):
+    """One-launch sort, program (expert, part): counts the entries before the expert's, scatters its share of the
+    expert's entries. Returns ``(num_below, first_tile, rank_base)``: kept entries of lower keys, the expert's
+    first tile, and the row after the last one this part wrote."""
+    scan = tl.arange(0, SCAN_BLOCK)
+    expert_key = expert.to(tl.uint32)
+    num_steps = tl.cdiv(num_entries, SCAN_BLOCK)
+    num_full_steps = num_entries // SCAN_BLOCK  # steps past it (at most one) load under a mask
+    steps_per_part = tl.cdiv(num_steps, num_parts)
+    # With more parts than steps the spare parts start at the end: they count, scatter nothing and
+    # (the last of them) pad; the clamp keeps their counting loops from walking past the entries.
+    part_first_step = tl.minimum(part * steps_per_part, num_steps)
+    part_end_step = tl.minimum(part_first_step + steps_per_part, num_steps)
+
+    # Pass 1: entries of experts < e (A), and of e itself in the steps before this part's. The
+    # expert's own count comes from pass 2, which needs its hits anyway.
+    below, mine = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
+                              num_loras, expert_key, 0, part_first_step, num_full_steps, True, SCAN_BLOCK,
+                              NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+    my_count_before_part = tl.sum(mine, axis=0)
+    below_rest, _ = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
+                                num_loras, expert_key, part_first_step, num_steps, num_full_steps, False, SCAN_BLOCK,
+                                NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+    num_below = tl.sum(below + below_rest, axis=0)
+    # Expert e owns tiles [first_tile, next_first_tile): its own ceil(count / BLOCK_M), then gap tiles (-1).
+    first_tile = num_below // BLOCK_M + tl.minimum(expert, num_below)
+
+    # Pass 2: scatter this part's share of the expert's entries in (token, slot) order.
+    rank_base = first_tile * BLOCK_M + my_count_before_part
+    for step in range(part_first_step, part_end_step):
+        offs = step * SCAN_BLOCK + scan
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
+                               num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+        hit = key == expert_key
+        hit_i32 = hit.to(tl.int32)
+        dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
+        weight = tl.load(topk_weights_ptr + offs, mask=hit, other=0.0).to(tl.float32)
+        entry_id = offs if EXPANDED_IDS else offs // TOPK
+        tl.store(sorted_token_ids_ptr + dest, entry_id.to(tl.int32), mask=hit)
+        tl.store(sorted_weights_ptr + dest, weight, mask=hit)
+        rank_base += tl.sum(hit_i32, axis=0)
+    return num_below, first_tile, rank_base
+
+
+@triton.jit
+def _pad_and_label_tiles(sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_tokens_post_padded_ptr,
+                         num_sorted_tiles_ptr, expert, num_below, first_tile, rank_base, pad_id, max_num_padded,
+                         NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    """The last part of an expert has seen all of its entries: it pads the expert's last tile and its gap tiles
+    and labels both kinds of tile; the last expert's also writes the counters and fills the unused tail."""
+    my_count = rank_base - first_tile * BLOCK_M
+    my_tiles = tl.cdiv(my_count, BLOCK_M)
+    next_first_tile = (num_below + my_count) // BLOCK_M + tl.minimum(expert + 1, num_below + my_count)
+    pad_row = tl.arange(0, 2 * BLOCK_M)
+    for start in range(rank_base, next_first_tile * BLOCK_M, 2 * BLOCK_M):
+        pad_pos = start + pad_row
+        pad_mask = pad_pos < next_first_tile * BLOCK_M
+        tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([2 * BLOCK_M], dtype=tl.int32) + pad_id, mask=pad_mask)
+        tl.store(sorted_weights_ptr + pad_pos, tl.zeros([2 * BLOCK_M], dtype=tl.float32), mask=pad_mask)
+    for t in range(first_tile, next_first_tile, 2 * BLOCK_M):
+        tiles = t + pad_row
+        label = tl.where(tiles < first_tile + my_tiles, expert, -1)
+        tl.store(sorted_expert_ids_ptr + tiles, label, mask=tiles < next_first_tile)
+
+    # The last expert's range ends where all ranges end: it writes the counters and fills the
+    # unused tail of the worst-case buffers.
+    if expert == NUM_EXPERTS - 1:
+        total_tiles = next_first_tile
+        total_padded = total_tiles * BLOCK_M
+        tl.store(num_tokens_post_padded_ptr, total_padded)
+        tl.store(num_sorted_tiles_ptr, total_tiles)
+        fill = tl.arange(0, FILL_BLOCK)
+        for start in range(total_padded, max_num_padded, FILL_BLOCK):
+            offs = start + fill
+            tail = offs < max_num_padded
+            tl.store(sorted_token_ids_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
+            tl.store(sorted_weights_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.float32), mask=tail)
+        max_tiles = max_num_padded // BLOCK_M
+        for t in range(total_tiles, max_tiles, FILL_BLOCK):
+            tiles = t + fill
+            tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([FILL_BLOCK], dtype=tl.int32) - 1,
+                     mask=tiles < max_tiles)
+
+
 @triton.jit(do_not_specialize=["num_zero_programs", "num_parts", "num_chunks", "num_quant_programs"])
 def _moe_sorting_kernel(
     topk_ids_ptr,  # [M * TOPK] int32/int64, row-major [M, TOPK]
@@ -443,13 +542,7 @@ def _moe_sorting_kernel(
             return
     if ZERO_OUT:
         if pid >= num_sort_programs:
-            zero_pid = pid - num_sort_programs
-            zero_offs = tl.arange(0, ZERO_BLOCK)
-            zeros = tl.zeros([ZERO_BLOCK], dtype=out_ptr.dtype.element_ty)
-            step = num_zero_programs.to(tl.int64) * ZERO_BLOCK
-            for start in range(zero_pid.to(tl.int64) * ZERO_BLOCK, out_numel, step):
-                offs = start + zero_offs
-                tl.store(out_ptr + offs, zeros, mask=offs < out_numel)
+            _zero_out(out_ptr, out_numel, pid - num_sort_programs, num_zero_programs, ZERO_BLOCK)
             return
     if CHUNKED:
         if WAIT_FOR_COUNTS:  # the zeroing programs above need nothing from the count launch
@@ -471,79 +564,17 @@ def _moe_sorting_kernel(
     else:
         expert = pid // num_parts
         part = pid % num_parts
-        scan = tl.arange(0, SCAN_BLOCK)
-        expert_key = expert.to(tl.uint32)
-        num_steps = tl.cdiv(num_entries, SCAN_BLOCK)
-        num_full_steps = num_entries // SCAN_BLOCK  # steps past it (at most one) load under a mask
-        steps_per_part = tl.cdiv(num_steps, num_parts)
-        # With more parts than steps the spare parts start at the end: they count, scatter nothing and
-        # (the last of them) pad; the clamp keeps their counting loops from walking past the entries.
-        part_first_step = tl.minimum(part * steps_per_part, num_steps)
-        part_end_step = tl.minimum(part_first_step + steps_per_part, num_steps)
-
-        # Pass 1: entries of experts < e (A), and of e itself in the steps before this part's. The
-        # expert's own count comes from pass 2, which needs its hits anyway.
-        below, mine = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
-                                  num_loras, expert_key, 0, part_first_step, num_full_steps, True, SCAN_BLOCK,
-                                  NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
-        my_count_before_part = tl.sum(mine, axis=0)
-        below_rest, _ = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
-                                    num_loras, expert_key, part_first_step, num_steps, num_full_steps, False, SCAN_BLOCK,
-                                    NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
-        num_below = tl.sum(below + below_rest, axis=0)
-        # Expert e owns tiles [first_tile, next_first_tile): its own ceil(count / BLOCK_M), then gap tiles (-1).
-        first_tile = num_below // BLOCK_M + tl.minimum(expert, num_below)
-
-        # Pass 2: scatter this part's share of the expert's entries in (token, slot) order.
-        rank_base = first_tile * BLOCK_M + my_count_before_part
-        for step in range(part_first_step, part_end_step):
-            offs = step * SCAN_BLOCK + scan
-            key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, offs < num_entries,
-                                   num_global_experts, num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
-            hit = key == expert_key
-            hit_i32 = hit.to(tl.int32)
-            dest = rank_base + tl.cumsum(hit_i32, axis=0) - 1
-            weight = tl.load(topk_weights_ptr + offs, mask=hit, other=0.0).to(tl.float32)
-            entry_id = offs if EXPANDED_IDS else offs // TOPK
-            tl.store(sorted_token_ids_ptr + dest, entry_id.to(tl.int32), mask=hit)
-            tl.store(sorted_weights_ptr + dest, weight, mask=hit)
-            rank_base += tl.sum(hit_i32, axis=0)
+        num_below, first_tile, rank_base = _scan_expert(
+            topk_ids_ptr, topk_weights_ptr, expert_map_ptr, token_lora_ids_ptr, sorted_token_ids_ptr,
+            sorted_weights_ptr, expert, part, num_parts, num_entries, num_global_experts, num_loras, TOPK, NUM_EXPERTS,
+            BLOCK_M, SCAN_BLOCK, HAS_EXPERT_MAP, EXPANDED_IDS, LORA_KEYS)
 
     # The last part has seen all of the expert's entries: it pads the expert's last tile and its gap
     # tiles and labels both kinds of tile.
     if part == num_parts - 1:
-        my_count = rank_base - first_tile * BLOCK_M
-        my_tiles = tl.cdiv(my_count, BLOCK_M)
-        next_first_tile = (num_below + my_count) // BLOCK_M + tl.minimum(expert + 1, num_below + my_count)
-        pad_row = tl.arange(0, 2 * BLOCK_M)
-        for start in range(rank_base, next_first_tile * BLOCK_M, 2 * BLOCK_M):
-            pad_pos = start + pad_row
-            pad_mask = pad_pos < next_first_tile * BLOCK_M
-            tl.store(sorted_token_ids_ptr + pad_pos, tl.zeros([2 * BLOCK_M], dtype=tl.int32) + pad_id, mask=pad_mask)
-            tl.store(sorted_weights_ptr + pad_pos, tl.zeros([2 * BLOCK_M], dtype=tl.float32), mask=pad_mask)
-        for t in range(first_tile, next_first_tile, 2 * BLOCK_M):
-            tiles = t + pad_row
-            label = tl.where(tiles < first_tile + my_tiles, expert, -1)
-            tl.store(sorted_expert_ids_ptr + tiles, label, mask=tiles < next_first_tile)
-
-        # The last expert's range ends where all ranges end: it writes the counters and fills the
-        # unused tail of the worst-case buffers.
-        if expert == NUM_EXPERTS - 1:
-            total_tiles = next_first_tile
-            total_padded = total_tiles * BLOCK_M
-            tl.store(num_tokens_post_padded_ptr, total_padded)
-            tl.store(num_sorted_tiles_ptr, total_tiles)
-            fill = tl.arange(0, FILL_BLOCK)
-            for start in range(total_padded, max_num_padded, FILL_BLOCK):
-                offs = start + fill
-                tail = offs < max_num_padded
-                tl.store(sorted_token_ids_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.int32) + pad_id, mask=tail)
-                tl.store(sorted_weights_ptr + offs, tl.zeros([FILL_BLOCK], dtype=tl.float32), mask=tail)
-            max_tiles = max_num_padded // BLOCK_M
-            for t in range(total_tiles, max_tiles, FILL_BLOCK):
-                tiles = t + fill
-                tl.store(sorted_expert_ids_ptr + tiles, tl.zeros([FILL_BLOCK], dtype=tl.int32) - 1,
-                         mask=tiles < max_tiles)
+        _pad_and_label_tiles(sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_tokens_post_padded_ptr,
+                             num_sorted_tiles_ptr, expert, num_below, first_tile, rank_base, pad_id, max_num_padded,
+                             NUM_EXPERTS, BLOCK_M, FILL_BLOCK)
 
 
 def _check_sorting_args(topk_ids, topk_weights, num_experts, block_m, out, expert_map):

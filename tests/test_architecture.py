@@ -1,0 +1,67 @@
+"""The shape of the code the GEMM-core redesign (issue 45) promised, read from the source.
+
+* every entry kernel (a ``@triton.jit`` function named ``*_kernel`` in ``fmoe2/`` outside the benchmark, whose
+  host-cost probe takes arguments on purpose) reads each parameter it takes: what a launch does not use, it does
+  not take;
+* the plain 16-bit fused entry kernel takes at most 40 parameters (constexprs included);
+* no function in ``fmoe2/`` outside ``fmoe2/bench/`` is longer than 150 lines;
+* the benchmark's gathered-GEMM modes are in no product kernel.
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "fmoe2"
+MAX_FUNCTION_LINES = 150
+MAX_PLAIN_FUSED_PARAMETERS = 40
+
+
+def _modules(include_bench: bool):
+    for path in sorted(ROOT.rglob("*.py")):
+        if include_bench or "bench" not in path.relative_to(ROOT).parts:
+            yield path, ast.parse(path.read_text())
+
+
+def _is_jit(node: ast.FunctionDef) -> bool:
+    return any("jit" in ast.unparse(d) for d in node.decorator_list)
+
+
+def _entry_kernels(include_bench: bool = True):
+    for path, tree in _modules(include_bench):
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and _is_jit(node) and node.name.endswith("_kernel"):
+                yield path, node
+
+
+def test_there_are_entry_kernels_to_check():
+    names = {node.name for _, node in _entry_kernels()}
+    assert {"_fused_kernel", "_decode_kernel", "_stage1_kernel", "_stage2_kernel", "_combine_slots_kernel",
+            "_cast_rows_kernel", "_moe_sorting_kernel"} <= names
+
+
+@pytest.mark.parametrize("path,node", list(_entry_kernels(include_bench=False)), ids=lambda v: getattr(v, "name", ""))
+def test_each_entry_kernel_reads_every_parameter_it_takes(path, node):
+    read = {n.id for stmt in node.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+    unread = [a.arg for a in node.args.args if a.arg not in read]
+    assert not unread, f"{path.name}:{node.name} takes {unread} and never reads them"
+
+
+def test_the_plain_fused_entry_kernel_stays_small():
+    (node,) = [n for _, n in _entry_kernels() if n.name == "_fused_kernel"]
+    assert len(node.args.args) <= MAX_PLAIN_FUSED_PARAMETERS
+
+
+def test_no_function_outside_the_benchmark_is_longer_than_150_lines():
+    long = [f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path, tree in _modules(include_bench=False) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+def test_no_product_kernel_keeps_a_benchmark_mode():
+    # The vLLM-style baseline's gathered A, row divisor and routed-weight multiply live in fmoe2/bench/.
+    for path, node in _entry_kernels(include_bench=False):
+        names = {a.arg for a in node.args.args}
+        assert not names & {"GATHER_A", "A_ROW_DIVISOR", "MUL_ROUTED_WEIGHT"}, (path.name, node.name)
