@@ -8,8 +8,8 @@ they live here, in an entry kernel built from the K loops and epilogues of fmoe2
 import triton
 import triton.language as tl
 
-from ..gemm.grouped_gemm_kernel import (_add_bias, _k_share_program, _stage2_rows, _tile_gemm_16bit, _tile_gemm_fp8,
-                                        _write_rows)
+from ..gemm.fp8_weights import _tile_gemm_fp8
+from ..gemm.grouped_gemm_kernel import _add_bias, _k_share_program, _stage2_rows, _tile_gemm_16bit, _write_rows
 from ..gemm.tiles import _tile_expert
 from ..sorting import max_busy_tiles
 

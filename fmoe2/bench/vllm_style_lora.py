@@ -13,7 +13,7 @@ from its description)::
     sum over top-k      -> out [M, H]
 
 Ten launches and five intermediate buffers. Shrink and expand are fmoe2's grouped GEMM
-(``fmoe2/gemm/grouped_gemm_kernel.py``) over the ``adapter * E + expert`` tiles of the second
+(``fmoe2/bench/grouped_gemm.py``) over the ``adapter * E + expert`` tiles of the second
 alignment, on the adapters viewed as ``[L*E, ...]``. Like vLLM, the per-adapter scaling is folded
 into the B matrices once (:func:`prepare_baseline_lora`); the expand adds with relaxed atomics
 on rows no other program writes (an add, not a reduction).

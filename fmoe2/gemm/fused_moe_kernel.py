@@ -17,11 +17,12 @@ Each output element therefore receives ``topk * ceil(I / BLOCK_N)`` atomic adds,
 | ``_fused_cast_kernel`` | the same at decode sizes, casting its float32 accumulator itself (``fused_kernel_casts``) |
 | ``_decode_kernel`` | the one-launch decode: no sort, tile t is the token's top-k slot t (``decodes_in_one_launch``) |
 | ``_fused_lora_kernel`` | the fused path with adapters (``fused_lora.py``) |
-| ``_fused_fp8_kernel`` | the fused path, fp8 weights |
-| ``_stage1_kernel`` / ``_stage1_lora_kernel`` / ``_stage1_fp8_kernel`` | stage 1: y stored in sorted row order, no down GEMM (``grouped_gemm_kernel.py`` does it) |
+| ``_stage1_kernel`` / ``_stage1_lora_kernel`` | stage 1: y stored in sorted row order, no down GEMM (``grouped_gemm_kernel.py`` does it) |
+
+fp8 weights have their own entries (``fp8_weights.py``).
 
 They are built from the shared ``@triton.jit`` parts: which rows and columns (``tiles.py``), the GEMM loops
-of each weight format (``operands.py``), the activation (``activations.py``), the adapters (``fused_lora.py``)
+(``operands.py``), the activation (``activations.py``), the adapters (``fused_lora.py``)
 and the epilogues (``epilogues.py``). Each takes only the parameters its launch reads; a pointer a launch does
 not use is None (Triton makes it a constexpr: no argument, and its branch is compiled out).
 
@@ -37,7 +38,7 @@ from ..grid_dependency import dependent_launch_prologue
 from .activations import _activate
 from .epilogues import _cast_rows_last_added, _store_y, _zero_unrouted_rows
 from .fused_lora import _lora_down, _lora_gate_up, _lora_tile, _store_down_shrinks
-from .operands import _add_gate_up_bias, _down_16bit, _down_fp8, _gate_up_16bit, _gate_up_fp8
+from .operands import _add_gate_up_bias, _down_16bit, _gate_up_16bit
 from .tiles import (_grouped_program, _kept_slots, _slice_columns, _slot_expert, _slot_rows, _sorted_rows,
                     _tile_expert)
 
@@ -312,88 +313,6 @@ def _fused_lora_kernel(
                               stride_final_m, BLOCK_M, BLOCK_H, False)
 
 
-@triton.jit
-def _fused_fp8_kernel(
-    x_q_ptr,  # [M, H] fp8 x, quantized by the sort launch
-    x_scale_ptr,  # [M, cdiv(H, BLOCK_K)] float32 scales of x_q
-    w1_ptr, w2_ptr,  # fp8, as the 16-bit ones (pointer loads only)
-    w1_scale_ptr,  # [E, Sn, Sk] float32 scales of w1 in the checkpoint's row order (fmoe2/fp8.py)
-    w2_scale_ptr,  # [E, Sn, Sk] float32 scales of w2
-    w1_bias_ptr, w2_bias_ptr, out_ptr,
-    final_out_ptr, topk_ids_ptr, expert_map_ptr,  # None, or as _fused_cast_kernel's (the kernel casts out_ptr)
-    sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-    num_tokens, H, I, num_grid_tiles, num_global_experts,
-    stride_xq_m, stride_xs_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i,
-    stride_s1_e, stride_s1_n, stride_s1_k, stride_s2_e, stride_s2_n, stride_s2_k,  # (0 along a dimension of size 1)
-    stride_b1_e, stride_b2_e, stride_out_m, stride_final_m,
-    DTYPE: tl.constexpr,  # x's dtype: y is rounded to it before its quantization, as the 16-bit forward rounds y
-    ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    # y is quantized here per row and BLOCK_N columns (one activation group); SOFT_FP8_ROUNDING under the
-    # interpreter only (fmoe2/fp8.py)
-    FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
-    FP8_SUBNORMAL_STEP: tl.constexpr,
-    SCALE_BLOCK_N: tl.constexpr,  # weight rows per scale (both weights)
-    SCALE_BLOCK_K: tl.constexpr,  # weight columns per scale
-):
-    """The fused path with fp8 weights (``operands.py``); BLOCK_K and BLOCK_N are one activation group."""
-    dependent_launch_prologue(PDL)
-    pid = tl.program_id(0)
-    num_slices = tl.cdiv(I, BLOCK_N)
-    if final_out_ptr is not None:
-        if pid >= num_grid_tiles * num_slices:
-            _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
-                                (pid - num_grid_tiles * num_slices).to(tl.int64) * BLOCK_M, num_tokens,
-                                num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
-            return
-    tile, slice_id = _grouped_program(pid, num_grid_tiles, num_slices, GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
-    if expert < 0:
-        return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, 1)
-    y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
-                                           row_valid, route_weight, slice_id, H, I, stride_xq_m, stride_xs_m,
-                                           stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n,
-                                           stride_s1_k, stride_b1_e, DTYPE, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                           GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK_N,
-                                           SCALE_BLOCK_K)
-    if final_out_ptr is not None:
-        expected_adds = _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK,
-                                    NUM_EXPERTS) * num_slices
-    b2_expert = None
-    if w2_bias_ptr is not None:
-        b2_expert = w2_bias_ptr + expert * stride_b2_e
-    _down_fp8(y, out_ptr + token[:, None] * stride_out_m, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h,
-              stride_w2_i, offs_n, n_valid, H, slice_id * BLOCK_N, b2_expert, tl.where(slice_id == 0, route_weight, 0.0),
-              w2_scale_ptr + expert * stride_s2_e, stride_s2_n, stride_s2_k, BLOCK_H, FP8_MAX, SOFT_FP8_ROUNDING,
-              FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
-    if final_out_ptr is not None:
-        _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
-                              stride_final_m, BLOCK_M, BLOCK_H, False)
-
-
-@triton.jit
-def _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token, row_valid,
-                      route_weight, slice_id, H, I, stride_xq_m, stride_xs_m, stride_w1_e, stride_w1_n, stride_w1_k,
-                      stride_s1_e, stride_s1_n, stride_s1_k, stride_b1_e, DTYPE: tl.constexpr,
-                      ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-                      GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr):
-    """:func:`_intermediate_16bit` from fp8 weights and the sort's fp8 x, y in ``DTYPE``."""
-    offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
-    gate, up = _gate_up_fp8(x_q_ptr + token[:, None] * stride_xq_m, x_scale_ptr + token * stride_xs_m, row_valid,
-                            w1_ptr + expert * stride_w1_e, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid,
-                            I, H, w1_scale_ptr + expert * stride_s1_e, stride_s1_n, stride_s1_k, BLOCK_M, BLOCK_N,
-                            BLOCK_K, GATE_UP_INTERLEAVED, SCALE_BLOCK_N, SCALE_BLOCK_K)
-    b1_expert = None
-    if w1_bias_ptr is not None:
-        b1_expert = w1_bias_ptr + expert * stride_b1_e
-    gate, up = _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAVED)
-    return _activate(gate, up, route_weight, DTYPE, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT), offs_n, n_valid
-
-
 # ---------------------------------------------------------------------------------------------
 # Stage 1 of the two-stage path: y stored in sorted row order
 # ---------------------------------------------------------------------------------------------
@@ -507,38 +426,3 @@ def _stage1_lora_kernel(
                                 stride_la2_r, row_slot, present, slot_of, num_present, BLOCK_N, LORA_RANK, LORA_IDS,
                                 LORA_SLOTS)
 
-
-@triton.jit
-def _stage1_fp8_kernel(
-    x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr,  # as _fused_fp8_kernel's
-    y_ptr,  # [num_grid_tiles * BLOCK_M, I]: in DTYPE, or fp8 where y_scale_ptr is given
-    y_scale_ptr,  # None, or [num_grid_tiles * BLOCK_M, cdiv(I, BLOCK_N)] float32 scales of the fp8 y (BLOCK_N is
-    # then one activation group)
-    sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-    num_tokens, H, I, num_grid_tiles,
-    stride_xq_m, stride_xs_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n, stride_s1_k,
-    stride_b1_e, stride_y_m, stride_ys_m,
-    DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr, IDS_PER_TOKEN: tl.constexpr,
-    FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
-    FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
-):
-    dependent_launch_prologue(PDL)
-    tile, slice_id = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
-    if expert < 0:
-        return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, IDS_PER_TOKEN)
-    y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
-                                           row_valid, route_weight, slice_id, H, I, stride_xq_m, stride_xs_m,
-                                           stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n,
-                                           stride_s1_k, stride_b1_e, DTYPE, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                           GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK_N,
-                                           SCALE_BLOCK_K)
-    y_scale_rows = None
-    if y_scale_ptr is not None:
-        y_scale_rows = y_scale_ptr + offs_m.to(tl.int64) * stride_ys_m
-    _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, y_scale_rows, slice_id,
-             FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)

@@ -11,7 +11,8 @@ topk, H]`` buffer, which ``combine_kernel.py`` then sums over the slots in a fix
 |---|---|
 | ``_stage2_kernel`` | 16-bit weights; A and B through tensor descriptors where given (``FusedMoEConfig.tma``, Hopper's bulk tensor copy engine) |
 | ``_stage2_lora_kernel`` | the same, adding the down deltas of the rows' adapters (where the two stages compute them) |
-| ``_stage2_fp8_kernel`` | fp8 weights; y quantized here per row and K step, or stored fp8 by stage 1 with its scales |
+
+(fp8 weights: ``_stage2_fp8_kernel`` in ``fp8_weights.py``.)
 
 With adapters (``lora_in_stages`` in ``fmoe2/gemm/config.py``) the programs of the first K share add the down
 deltas of their rows after the K loop: stage 1 stored each I slice's partial down shrink ``y_slice @ A2[adapter,
@@ -27,7 +28,6 @@ once.
 import triton
 import triton.language as tl
 
-from ..fp8 import _quantize_rows
 from ..grid_dependency import gdc_wait
 from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
 from .tiles import _grouped_program, _tile_expert
@@ -66,32 +66,6 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, 
         else:
             b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def _tile_gemm_fp8(a_rows, a_scale_rows, row_valid, b_rows, bs_rows, n_valid, stride_b_k, stride_bs_k, k_first, k_end,
-                   K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
-                   SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr,
-                   SCALE_BLOCK_K: tl.constexpr):
-    """:func:`_tile_gemm_16bit` with fp8 B (``bs_rows`` [BLOCK_N] pointers to its rows' scales, at K step 0):
-    A's tiles are quantized here per row (BLOCK_K = one activation group), or, with ``a_scale_rows`` ([BLOCK_M]
-    pointers to the rows' scales), A is fp8 already; each step's product is scaled by both."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_first, k_end, BLOCK_K):
-        k = k0 + offs_k
-        k_valid = k < K
-        a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        if a_scale_rows is None:
-            qa, sa = _quantize_rows(a.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
-            qa = qa.to(b.dtype)
-        else:
-            qa = a
-            sa = tl.load(a_scale_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
-        sb = tl.load(bs_rows + (k0 // SCALE_BLOCK_K) * stride_bs_k, mask=n_valid, other=0.0)
-        acc += tl.dot(qa, tl.trans(b)) * (sa[:, None] * sb[None, :])
     return acc
 
 
@@ -249,46 +223,3 @@ def _stage2_lora_kernel(
     acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
     _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
 
-
-@triton.jit
-def _stage2_fp8_kernel(
-    a_ptr,  # y [num_grid_tiles * BLOCK_M, K]: 16-bit (quantized here), or fp8 with a_scale_ptr
-    a_scale_ptr,  # None, or [num_grid_tiles * BLOCK_M, cdiv(K, BLOCK_K)] float32 scales of an fp8 y (stage 1's)
-    b_ptr,  # fp8 w2 [E, N, K]
-    b_scale_ptr,  # [E, Sn, Sk] float32 (stride 0 along a dimension of size 1): B[e, n, k]'s at [e, n //
-    # SCALE_BLOCK_N, k // SCALE_BLOCK_K]
-    c_ptr, bias_ptr, row_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr,  # as _stage2_kernel's
-    num_valid_ids, N, K, num_grid_tiles,
-    stride_a_m, stride_as_m, stride_b_e, stride_b_n, stride_b_k, stride_bs_e, stride_bs_n, stride_bs_k,
-    stride_bias_e, stride_c_m,
-    ATOMIC_OUTPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
-    FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
-):
-    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
-    if PDL:
-        gdc_wait()
-    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
-                                                     SPLIT_K)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
-    if expert < 0:
-        return
-    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
-                                                              BLOCK_N)
-    a_row = offs_m.to(tl.int64)
-    a_scale_rows = None
-    if a_scale_ptr is not None:
-        a_scale_rows = a_scale_ptr + a_row * stride_as_m
-    acc = _tile_gemm_fp8(a_ptr + a_row[:, None] * stride_a_m, a_scale_rows, row_valid,
-                         b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n,
-                         b_scale_ptr + expert * stride_bs_e + (offs_n // SCALE_BLOCK_N) * stride_bs_n, n_valid,
-                         stride_b_k, stride_bs_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8_MAX,
-                         SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_K)
-    bias_expert = None
-    bias_row_weights = None
-    if bias_ptr is not None:
-        bias_expert = bias_ptr + expert * stride_bias_e
-        bias_row_weights = tl.load(row_weights_ptr + offs_m)
-    acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
-    _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)

@@ -19,7 +19,6 @@ from typing import List, Optional, Tuple
 
 import torch
 import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import FP8_GROUP, fp8_constexprs
@@ -29,9 +28,10 @@ from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorti
 from ..target import Target
 from .combine_kernel import _cast_rows_kernel, _combine_slots_kernel
 from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
-from .fused_moe_kernel import (_decode_kernel, _fused_cast_kernel, _fused_fp8_kernel, _fused_kernel,
-                               _fused_lora_kernel, _stage1_fp8_kernel, _stage1_kernel, _stage1_lora_kernel)
-from .grouped_gemm_kernel import _stage2_fp8_kernel, _stage2_kernel, _stage2_lora_kernel
+from . import fp8_weights
+from .fused_moe_kernel import (_decode_kernel, _fused_cast_kernel, _fused_kernel, _fused_lora_kernel, _stage1_kernel,
+                               _stage1_lora_kernel)
+from .grouped_gemm_kernel import _stage2_kernel, _stage2_lora_kernel
 from .lora import PreparedMoELoRA
 from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 
@@ -70,6 +70,11 @@ class MoEProblem:
     @property
     def fp8(self) -> bool:
         return self.w1_scale is not None
+
+    @property
+    def weight_format(self) -> str:
+        """``"16bit"`` (bf16/fp16/fp32) or the name of the format in :data:`WEIGHT_FORMATS`."""
+        return "fp8" if self.fp8 else "16bit"
 
 
 def grid_tiles(problem: MoEProblem, block_m: int) -> int:
@@ -295,35 +300,15 @@ def _lora_args(problem: MoEProblem) -> dict:
     return args
 
 
-def _scale_strides(scale: torch.Tensor) -> Tuple[int, int, int]:
-    """Strides of an ``[E, Sn, Sk]`` scale view as the kernels read it: 0 along a dimension of size 1."""
-    return tuple(st if size > 1 else 0 for size, st in zip(scale.shape, scale.stride()))
-
-
-def fp8_launch_values(problem: MoEProblem, target: Target) -> Tuple[dict, dict]:
-    """``(args, constexprs)`` of the fused kernel's fp8 parameters (scale pointers and strides; FP8 and
-    its constants): None pointers and FP8=False for 16/32-bit weights."""
-    constexprs = fp8_constexprs(problem.w1.dtype, target.interpreter)
-    if not problem.fp8:
-        args = dict(w1_scale_ptr=None, w2_scale_ptr=None)
-        for name in ("s1", "s2"):
-            args.update({f"stride_{name}_{d}": None for d in "enk"})
-        return args, dict(constexprs, SCALE_BLOCK_N=1, SCALE_BLOCK_K=FP8_GROUP)
-    args = dict(w1_scale_ptr=problem.w1_scale, w2_scale_ptr=problem.w2_scale)
-    for name, scale in (("s1", problem.w1_scale), ("s2", problem.w2_scale)):
-        args.update({f"stride_{name}_{d}": st for d, st in zip("enk", _scale_strides(scale))})
-    block_n, block_k = problem.scale_block
-    return args, dict(constexprs, SCALE_BLOCK_N=block_n, SCALE_BLOCK_K=block_k)
-
-
-# Entry kernel of each launch of the fused-kernel family: (decode, fused, stage 1) x (16-bit, LoRA, fp8), where
-# the 16-bit fused path has a second entry that casts its float32 accumulator itself.
-_FUSED_ENTRIES = {("fused", "16bit"): _fused_kernel, ("fused_cast", "16bit"): _fused_cast_kernel,
-                  ("decode", "16bit"): _decode_kernel, ("fused", "lora"): _fused_lora_kernel,
-                  ("fused_cast", "lora"): _fused_lora_kernel, ("fused", "fp8"): _fused_fp8_kernel,
-                  ("fused_cast", "fp8"): _fused_fp8_kernel, ("stage1", "16bit"): _stage1_kernel,
-                  ("stage1", "lora"): _stage1_lora_kernel, ("stage1", "fp8"): _stage1_fp8_kernel}
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# Entry kernel of each launch of the fused-kernel family with 16-bit weights: (decode, fused, stage 1) x (without,
+# with adapters), where the fused path has a second entry that casts its float32 accumulator itself.
+_FUSED_ENTRIES = {("fused", False): _fused_kernel, ("fused_cast", False): _fused_cast_kernel,
+                  ("decode", False): _decode_kernel, ("fused", True): _fused_lora_kernel,
+                  ("fused_cast", True): _fused_lora_kernel, ("stage1", False): _stage1_kernel,
+                  ("stage1", True): _stage1_lora_kernel}
+# Weight formats beyond 16-bit, by MoEProblem.weight_format: each module's ENTRIES (launch name -> entry kernel),
+# fused_values and stage2_values give its launches (fp8_weights.py says what a format's module holds).
+WEIGHT_FORMATS = {"fp8": fp8_weights}
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,15 +366,13 @@ def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoES
         final_out_ptr=None, topk_ids_ptr=None, expert_map_ptr=None, num_global_experts=None, stride_final_m=None,
         TOPK=1, NUM_EXPERTS=1,
         ACTIVATION=activation, SWIGLU_ALPHA=problem.swiglu_alpha, SWIGLU_LIMIT=problem.swiglu_limit,
-        GATE_UP_INTERLEAVED=problem.gate_up_interleaved, DTYPE=_TL_DTYPES.get(problem.x.dtype),
+        GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_H=config.BLOCK_H,
         GROUP_M=config.GROUP_M, PDL=pdl_enabled(config, target),
         LORA_STAGES=config.lora_num_stages or config.num_stages,
         IDS_PER_TOKEN=problem.topk if problem.deterministic else 1,
         **problem_lora_constexprs(problem),
     )
-    fp8_args, fp8_consts = fp8_launch_values(problem, target)
-    values.update(fp8_args, **fp8_consts)
     if delta13 is not None:  # the adapters' deltas come ready: stage 1 reads none of their operands
         values.update({name: None for name in ("lora_a13_ptr", "lora_b13_ptr", "lora_a2_ptr", "lora_scaling_ptr")})
     return values
@@ -422,9 +405,6 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     values = _fused_values(problem, out, sorting, activation, config, target, workspace)
     num_grid_tiles = problem.topk if route_from_topk else grid_tiles(problem, sorting.block_m)
     values.update(num_grid_tiles=num_grid_tiles)
-    if quantized_x is not None:
-        x_q, x_scale = quantized_x
-        values.update(x_q_ptr=x_q, x_scale_ptr=x_scale, stride_xq_m=x_q.stride(0), stride_xs_m=x_scale.stride(0))
     if cast_to is not None:
         values.update(final_out_ptr=cast_to, topk_ids_ptr=topk_ids, expert_map_ptr=expert_map,
                       num_global_experts=expert_map.numel() if expert_map is not None else problem.num_experts,
@@ -432,8 +412,13 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
     if route_from_topk:  # no launch of ours before it to depend on
         values.update(topk_weights_ptr=topk_weights, PDL=False)
     name = "decode" if route_from_topk else "fused" if workspace is None else "stage1"
-    weights = "lora" if problem.lora is not None else "fp8" if problem.fp8 else "16bit"
-    kernel = _FUSED_ENTRIES[("fused_cast" if name == "fused" and cast_to is not None else name, weights)]
+    launch = "fused_cast" if name == "fused" and cast_to is not None else name
+    weight_format = WEIGHT_FORMATS.get(problem.weight_format)
+    if weight_format is not None:
+        kernel = weight_format.ENTRIES[launch]
+        values.update(weight_format.fused_values(problem, target, quantized_x))
+    else:
+        kernel = _FUSED_ENTRIES[(launch, problem.lora is not None)]
     args, constexprs = entry_arguments(kernel, values)
     grid = (num_grid_tiles * triton.cdiv(problem.intermediate_size, config.BLOCK_N)
             + (triton.cdiv(problem.num_tokens, config.BLOCK_M) if cast_to is not None else 0),)
@@ -540,13 +525,10 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
         IDS_PER_TOKEN=problem.topk if deterministic else 1,
     )
     kernel = _stage2_kernel
-    if problem.fp8:  # fp8 y with stage 1's scales, or y quantized here per row and K step (S2_BLOCK_K = one group)
-        kernel = _stage2_fp8_kernel
-        fp8_args, fp8_consts = fp8_launch_values(problem, target)
-        values.update(fp8_consts, b_scale_ptr=problem.w2_scale, stride_bs_e=fp8_args["stride_s2_e"],
-                      stride_bs_n=fp8_args["stride_s2_n"], stride_bs_k=fp8_args["stride_s2_k"],
-                      a_scale_ptr=workspace.y_scale,
-                      stride_as_m=workspace.y_scale.stride(0) if workspace.y_scale is not None else None)
+    weight_format = WEIGHT_FORMATS.get(problem.weight_format)
+    if weight_format is not None:
+        kernel = weight_format.ENTRIES["stage2"]
+        values.update(weight_format.stage2_values(problem, target, workspace))
     if lora is not None:
         kernel = _stage2_lora_kernel
         shrink, b2 = workspace.lora_shrink2, lora.b2

@@ -1,22 +1,14 @@
-"""The GEMM loops of the fused kernels, one pair per weight format: gate/up over H, and down over H in chunks.
+"""The 16-bit GEMM loops of the fused kernels: gate/up over H, and down over H in chunks, and the gate/up bias.
 
-A weight format is the way its tiles are loaded and turned into products:
-
-* 16-bit (bf16/fp16, fp32 for tests): :func:`_gate_up_16bit`, :func:`_down_16bit`; they also carry the
-  LoRA operands (the stacked shrink rides the gate/up K loop, the expand the down loop; ``lora_kernel.py``);
-* fp8 with float32 scales per block, channel or expert (``fmoe2/fp8.py``): :func:`_gate_up_fp8`,
-  :func:`_down_fp8`; x comes quantized by the sort launch, y is quantized per row here, and each step's
-  product is scaled by the rows' and the weights' scales.
-
-A new format is a new pair here (and its scale layout in ``prepare_weights``); the entry kernels in
-``fused_moe_kernel.py`` pick the pair. ``stride_w1_k`` / ``stride_w2_i`` are 1 (a constant) but for
+16-bit weights (bf16/fp16, fp32 for tests) are the base format: :func:`_gate_up_16bit` and :func:`_down_16bit`
+also carry the LoRA operands (the stacked shrink rides the gate/up K loop, the expand the down loop;
+``lora_kernel.py``). Other weight formats have their loops in a module of their own (``fp8_weights.py``). ``stride_w1_k`` / ``stride_w2_i`` are 1 (a constant) but for
 transposed weights read in place. Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a
 testing dtype) and no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
 """
 import triton
 import triton.language as tl
 
-from ..fp8 import _quantize_rows
 from .lora_kernel import _shrink_step
 
 
@@ -71,54 +63,6 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
 
 
 @triton.jit
-def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                 r_valid, I, H, s1_expert, stride_s1_n, stride_s1_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
-                 SCALE_BLOCK_K: tl.constexpr):
-    """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32) of one slice, fp8 weights (BLOCK_K = one activation
-    group): x comes quantized by the sort launch (``xq_rows``: [BLOCK_M, 1] fp8 row pointers, ``xs_rows``:
-    [BLOCK_M] pointers to the rows' group scales), and each step's product is scaled by the rows' activation
-    scales and the weight rows' scales ``s1_expert[orig_row // SCALE_BLOCK_N, k0 // SCALE_BLOCK_K]`` (orig_row:
-    the row in the checkpoint's order, gate rows then up rows)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    if GATE_UP_INTERLEAVED:
-        w_rows = w1_expert + offs_r[:, None] * stride_w1_n
-        # interleaved row r is gate row r // 2 (r even) or up row r // 2 (r odd) of the checkpoint
-        s_rows = s1_expert + ((offs_r // 2 + (offs_r % 2) * I) // SCALE_BLOCK_N) * stride_s1_n
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, H, BLOCK_K):
-            k = k0 + offs_k
-            k_valid = k < H
-            a = tl.load(xq_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
-            b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :], other=0.0)
-            sb = tl.load(s_rows + (k0 // SCALE_BLOCK_K) * stride_s1_k, mask=r_valid, other=0.0)
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-    else:
-        gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
-        up_rows = gate_rows + I * stride_w1_n
-        sg_rows = s1_expert + (offs_n // SCALE_BLOCK_N) * stride_s1_n
-        su_rows = s1_expert + ((I + offs_n) // SCALE_BLOCK_N) * stride_s1_n
-        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, H, BLOCK_K):
-            k = k0 + offs_k
-            k_valid = k < H
-            w_mask = n_valid[:, None] & k_valid[None, :]
-            a = tl.load(xq_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
-            bg = tl.load(gate_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
-            bu = tl.load(up_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
-            s_step = (k0 // SCALE_BLOCK_K) * stride_s1_k
-            sg = tl.load(sg_rows + s_step, mask=n_valid, other=0.0)
-            su = tl.load(su_rows + s_step, mask=n_valid, other=0.0)
-            gate += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg[None, :])
-            up += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su[None, :])
-    return gate, up
-
-
-@triton.jit
 def _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAVED: tl.constexpr):
     """gate and up plus the slice's gate/up bias (``b1_expert``: the expert's [2I(_pad)] bias in w1's row
     order); unchanged where ``b1_expert`` is None."""
@@ -168,28 +112,3 @@ def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs
         tl.atomic_add(out_rows + offs_h[None, :], partial.to(out_rows.dtype.element_ty),
                       mask=row_mask[:, None] & h_valid[None, :], sem="relaxed")
 
-
-@triton.jit
-def _down_fp8(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, slice_col0, b2_expert,
-              bias_weight, s2_expert, stride_s2_n, stride_s2_k, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr,
-              SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr,
-              SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr):
-    """out[rows] += y @ W2[:, slice]^T with fp8 weights (the slice one activation group): y is quantized per
-    row once, and each chunk's product scaled by the rows' scales and ``s2_expert[h // SCALE_BLOCK_N,
-    slice_col0 // SCALE_BLOCK_K]``; the bias as in :func:`_down_16bit`."""
-    qy, sy = _quantize_rows(y.to(tl.float32), FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
-    qy = qy.to(w2_expert.dtype.element_ty)
-    s2_col = s2_expert + (slice_col0 // SCALE_BLOCK_K) * stride_s2_k
-    offs_h0 = tl.arange(0, BLOCK_H)
-    for h0 in tl.range(0, H, BLOCK_H):
-        offs_h = h0 + offs_h0
-        h_valid = offs_h < H
-        w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :] * stride_w2_i,
-                    mask=h_valid[:, None] & n_valid[None, :], other=0.0)
-        s2 = tl.load(s2_col + (offs_h // SCALE_BLOCK_N) * stride_s2_n, mask=h_valid, other=0.0)
-        partial = tl.dot(qy, tl.trans(w)) * (sy[:, None] * s2[None, :])
-        if b2_expert is not None:
-            b2 = tl.load(b2_expert + offs_h, mask=h_valid, other=0.0).to(tl.float32)
-            partial += bias_weight[:, None] * b2[None, :]
-        tl.atomic_add(out_rows + offs_h[None, :], partial.to(out_rows.dtype.element_ty),
-                      mask=row_mask[:, None] & h_valid[None, :], sem="relaxed")
