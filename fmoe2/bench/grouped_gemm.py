@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 
 from ..gemm.fp8_weights import _tile_gemm_fp8
-from ..gemm.grouped_gemm_kernel import _add_bias, _k_share_program, _stage2_rows, _tile_gemm_16bit, _write_rows
-from ..gemm.tiles import _tile_expert
+from ..gemm.grouped_gemm_kernel import _add_bias, _stage2_program, _tile_gemm_16bit, _write_rows
 from ..sorting import max_busy_tiles
 
 
@@ -36,13 +35,11 @@ def _gathered_gemm_kernel(
     SCALE_BLOCK_N: tl.constexpr = 1, SCALE_BLOCK_K: tl.constexpr = 128,
 ):
     """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),)."""
-    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
-                                                     1)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
+        sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
+        BLOCK_K, GROUP_M, 1)
     if expert < 0:
         return
-    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
-                                                              BLOCK_N)
     a_row = row_id // A_ROW_DIVISOR
     b_rows = b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n
     if b_scale_ptr is not None:
@@ -53,10 +50,7 @@ def _gathered_gemm_kernel(
     else:
         acc = _tile_gemm_16bit(a_ptr + a_row[:, None] * stride_a_m, None, 0, row_valid, b_rows, None, 0, n_valid,
                                stride_b_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
-    bias_expert = None
-    if bias_ptr is not None:
-        bias_expert = bias_ptr + expert * stride_bias_e
-    acc = _add_bias(acc, bias_expert, None, offs_n, n_valid, k_first)
+    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, None, offs_m, offs_n, n_valid, k_first)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
     _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)

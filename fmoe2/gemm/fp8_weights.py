@@ -29,10 +29,11 @@ from ..fp8 import FP8_GROUP, _quantize_rows, fp8_constexprs
 from ..grid_dependency import dependent_launch_prologue, gdc_wait
 from ..target import Target
 from .activations import _activate
-from .epilogues import _cast_rows_last_added, _store_y, _zero_unrouted_rows
-from .grouped_gemm_kernel import _add_bias, _k_share_program, _stage2_rows, _write_rows
+from .epilogues import _cast_rows_last_added, _store_y
+from .fused_moe_kernel import _fused_program
+from .grouped_gemm_kernel import _add_bias, _stage2_program, _write_rows
 from .operands import _add_gate_up_bias
-from .tiles import _grouped_program, _kept_slots, _slice_columns, _sorted_rows, _tile_expert
+from .tiles import _kept_slots, _slice_columns
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,20 +191,13 @@ def _fused_fp8_kernel(
 ):
     """The fused path with fp8 weights (``operands.py``); BLOCK_K and BLOCK_N are one activation group."""
     dependent_launch_prologue(PDL)
-    pid = tl.program_id(0)
-    num_slices = tl.cdiv(I, BLOCK_N)
-    if final_out_ptr is not None:
-        if pid >= num_grid_tiles * num_slices:
-            _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
-                                (pid - num_grid_tiles * num_slices).to(tl.int64) * BLOCK_M, num_tokens,
-                                num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
-            return
-    tile, slice_id = _grouped_program(pid, num_grid_tiles, num_slices, GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
+        final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N,
+        BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
     if expert < 0:
         return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, 1)
+    num_slices = tl.cdiv(I, BLOCK_N)
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
                                            row_valid, route_weight, slice_id, H, I, stride_xq_m, stride_xs_m,
                                            stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n,
@@ -242,12 +236,11 @@ def _stage1_fp8_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    tile, slice_id = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
+        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, IDS_PER_TOKEN)
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
                                            row_valid, route_weight, slice_id, H, I, stride_xq_m, stride_xs_m,
                                            stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n,
@@ -280,13 +273,11 @@ def _stage2_fp8_kernel(
     tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
     if PDL:
         gdc_wait()
-    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
-                                                     SPLIT_K)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
+        sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
+        BLOCK_K, GROUP_M, SPLIT_K)
     if expert < 0:
         return
-    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
-                                                              BLOCK_N)
     a_row = offs_m.to(tl.int64)
     a_scale_rows = None
     if a_scale_ptr is not None:
@@ -296,12 +287,7 @@ def _stage2_fp8_kernel(
                          b_scale_ptr + expert * stride_bs_e + (offs_n // SCALE_BLOCK_N) * stride_bs_n, n_valid,
                          stride_b_k, stride_bs_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8_MAX,
                          SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_K)
-    bias_expert = None
-    bias_row_weights = None
-    if bias_ptr is not None:
-        bias_expert = bias_ptr + expert * stride_bias_e
-        bias_row_weights = tl.load(row_weights_ptr + offs_m)
-    acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
+    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr, offs_m, offs_n, n_valid, k_first)
     _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
 
 

@@ -90,6 +90,33 @@ def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expe
                 tl.where(slice_id == 0, route_weight, 0.0), BLOCK_M, BLOCK_H, True, False, None)
 
 
+@triton.jit
+def _fused_program(final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr,
+                   sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts,
+                   stride_final_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                   GROUP_M: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr, IDS_PER_TOKEN: tl.constexpr):
+    """``(expert, slice_id, offs_m, token, row_valid, route_weight)`` of this program over the sorted tiles
+    (``tiles.py``); expert -1: nothing (more) to do. Where the kernel casts its accumulator (``final_out_ptr``
+    given) the programs after the GEMM programs zero the output rows of tokens routed nowhere instead. The rows are
+    loaded with the expert (stale for a tile past the sorted ones, never used)."""
+    pid = tl.program_id(0)
+    num_slices = tl.cdiv(I, BLOCK_N)
+    if final_out_ptr is not None:
+        is_zeroing = pid >= num_grid_tiles * num_slices
+        if is_zeroing:
+            _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
+                                (pid - num_grid_tiles * num_slices).to(tl.int64) * BLOCK_M, num_tokens,
+                                num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
+        pid = tl.where(is_zeroing, 0, pid)
+    tile, slice_id = _grouped_program(pid, num_grid_tiles, num_slices, GROUP_M)
+    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    if final_out_ptr is not None:
+        expert = tl.where(is_zeroing, -1, expert)
+    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
+                                                          BLOCK_M, IDS_PER_TOKEN)
+    return expert, slice_id, offs_m, token, row_valid, route_weight
+
+
 # ---------------------------------------------------------------------------------------------
 # The fused path: 16-bit weights
 # ---------------------------------------------------------------------------------------------
@@ -111,12 +138,11 @@ def _fused_kernel(
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's results
-    tile, slice_id = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
+        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, 1)
     if expert < 0:
         return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, 1)
     y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
                                              route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
                                              stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
@@ -143,19 +169,13 @@ def _fused_cast_kernel(
 ):
     """``_fused_kernel`` into a float32 accumulator that it casts itself (``epilogues.py``)."""
     dependent_launch_prologue(PDL)
-    pid = tl.program_id(0)
-    num_slices = tl.cdiv(I, BLOCK_N)
-    if pid >= num_grid_tiles * num_slices:
-        _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
-                            (pid - num_grid_tiles * num_slices).to(tl.int64) * BLOCK_M, num_tokens,
-                            num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
-        return
-    tile, slice_id = _grouped_program(pid, num_grid_tiles, num_slices, GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
+        final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N,
+        BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
     if expert < 0:
         return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, 1)
+    num_slices = tl.cdiv(I, BLOCK_N)
     y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
                                              route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
                                              stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
@@ -250,20 +270,13 @@ def _fused_lora_kernel(
     # Loaded with the tile's expert id: a batch without adapters then goes to the plain loops without waiting
     # for its rows' adapter ids.
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    pid = tl.program_id(0)
-    num_slices = tl.cdiv(I, BLOCK_N)
-    if final_out_ptr is not None:
-        if pid >= num_grid_tiles * num_slices:
-            _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
-                                (pid - num_grid_tiles * num_slices).to(tl.int64) * BLOCK_M, num_tokens,
-                                num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
-            return
-    tile, slice_id = _grouped_program(pid, num_grid_tiles, num_slices, GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
+        final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N,
+        BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
     if expert < 0:
         return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, 1)
+    num_slices = tl.cdiv(I, BLOCK_N)
     offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
     x_rows = x_ptr + token[:, None] * stride_x_m
     w1_expert = w1_ptr + expert * stride_w1_e
@@ -332,12 +345,11 @@ def _stage1_kernel(
     IDS_PER_TOKEN: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    tile, slice_id = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
+        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, IDS_PER_TOKEN)
     y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
                                              route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
                                              stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
@@ -371,12 +383,11 @@ def _stage1_lora_kernel(
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     dependent_launch_prologue(PDL)
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    tile, slice_id = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
+        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, IDS_PER_TOKEN)
     offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
     x_rows = x_ptr + token[:, None] * stride_x_m
     w1_expert = w1_ptr + expert * stride_w1_e

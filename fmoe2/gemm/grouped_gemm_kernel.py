@@ -70,15 +70,15 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, 
 
 
 @triton.jit
-def _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first):
-    """acc plus the bias of B's outputs (``bias_expert``: [N(_pad)] of the tile's expert; None: no bias), added by
-    the first K share only, times ``bias_row_weights`` [BLOCK_M] where not None (fmoe2's stage 2, whose A carries
-    the routing weight already)."""
-    if bias_expert is not None:
-        bias = tl.load(bias_expert + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+def _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr, offs_m, offs_n, n_valid, k_first):
+    """acc plus the bias of B's outputs (``bias_ptr``: [E, N(_pad)]; None: no bias), added by the first K share
+    only, times the rows' weights ``row_weights_ptr[offs_m]`` where not None (fmoe2's stage 2, whose A carries the
+    routing weight already)."""
+    if bias_ptr is not None:
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_valid, other=0.0).to(tl.float32)
         bias = tl.where(k_first == 0, bias, 0.0)[None, :]
-        if bias_row_weights is not None:
-            bias = bias * bias_row_weights[:, None]
+        if row_weights_ptr is not None:
+            bias = bias * tl.load(row_weights_ptr + offs_m)[:, None]
         acc += bias
     return acc
 
@@ -92,6 +92,21 @@ def _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOM
         tl.atomic_add(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask, sem="relaxed")
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _stage2_program(sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+    """``(expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid)`` of this program: its sorted
+    tile's expert (-1: nothing to do), K share and rows (:func:`_stage2_rows`; loaded with the expert, stale for
+    a tile past the sorted ones: the grid is sized for the worst routing, never used)."""
+    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
+                                                     SPLIT_K)
+    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
+                                                              BLOCK_N)
+    return expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid
 
 
 @triton.jit
@@ -128,23 +143,16 @@ def _stage2_kernel(
     tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
     if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
         gdc_wait()
-    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
-                                                     SPLIT_K)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
+        sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
+        BLOCK_K, GROUP_M, SPLIT_K)
     if expert < 0:
         return
-    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
-                                                              BLOCK_N)
     acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
                            b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
                            (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
                            k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
-    bias_expert = None
-    bias_row_weights = None
-    if bias_ptr is not None:
-        bias_expert = bias_ptr + expert * stride_bias_e
-        bias_row_weights = tl.load(row_weights_ptr + offs_m)
-    acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
+    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr, offs_m, offs_n, n_valid, k_first)
     _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
 
 
@@ -198,13 +206,11 @@ def _stage2_lora_kernel(
     tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
     if PDL:
         gdc_wait()
-    tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
-                                                     SPLIT_K)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
+    expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
+        sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
+        BLOCK_K, GROUP_M, SPLIT_K)
     if expert < 0:
         return
-    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
-                                                              BLOCK_N)
     acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
                            b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
                            (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
@@ -215,11 +221,6 @@ def _stage2_lora_kernel(
                                lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_loras, num_shrink_splits,
                                stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, LORA_RANK, LORA_IDS,
                                LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN)
-    bias_expert = None
-    bias_row_weights = None
-    if bias_ptr is not None:
-        bias_expert = bias_ptr + expert * stride_bias_e
-        bias_row_weights = tl.load(row_weights_ptr + offs_m)
-    acc = _add_bias(acc, bias_expert, bias_row_weights, offs_n, n_valid, k_first)
+    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr, offs_m, offs_n, n_valid, k_first)
     _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
 
