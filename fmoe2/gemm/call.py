@@ -115,21 +115,21 @@ class MoECall:
         """The call of ``fused_moe(*args, **keywords)`` (positionals in :data:`KEYWORDS` order)."""
         if len(args) > len(KEYWORDS):
             raise TypeError(f"fused_moe takes {len(KEYWORDS)} arguments, got {len(args)} positional")
-        for name, value in zip(KEYWORDS, args):
-            if name in keywords:
-                raise TypeError(f"fused_moe got multiple values for argument {name!r}")
-            keywords[name] = value
-        unknown = set(keywords) - set(LEAVES)
-        if unknown:
-            raise TypeError(f"fused_moe got unexpected keyword arguments {sorted(unknown)}")
-        parts = {}
-        for bundle, (cls_, names) in BUNDLES.items():
-            given = {n: keywords[n] for n in names if n in keywords}
-            missing = [n for n in names if n not in given and LEAVES[n].default is MISSING]
-            if missing:
-                raise TypeError(f"fused_moe missing required arguments {missing}")
-            parts[bundle] = cls_(**given) if cls_ is not None else given[names[0]]
-        return cls(**parts)
+        if keywords:
+            for name, value in zip(KEYWORDS, args):
+                if name in keywords:
+                    raise TypeError(f"fused_moe got multiple values for argument {name!r}")
+                keywords[name] = value
+            unknown = set(keywords) - set(LEAVES)
+            if unknown:
+                raise TypeError(f"fused_moe got unexpected keyword arguments {sorted(unknown)}")
+        else:
+            keywords = dict(zip(KEYWORDS, args))
+        missing = [n for n in REQUIRED if n not in keywords]
+        if missing:
+            raise TypeError(f"fused_moe missing required arguments {missing}")
+        return cls(**{bundle: (make(**{n: keywords[n] for n in names if n in keywords}) if make is not None else
+                               keywords[names[0]]) for bundle, (make, names) in BUNDLES.items()})
 
     def arguments(self) -> Dict[str, Any]:
         """``{keyword: value}`` of every argument, in :data:`KEYWORDS` order (``fused_moe(**call.arguments())``)."""
@@ -210,6 +210,7 @@ for _f in fields(MoECall):
         BUNDLES[_f.name] = (None, (_f.name,))
         LEAVES[_f.name] = _f
 del _f, _cls
+REQUIRED = tuple(n for n in KEYWORDS if LEAVES[n].default is MISSING)
 
 
 def _slot_name(declaration: str) -> str:
