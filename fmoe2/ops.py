@@ -18,54 +18,28 @@ of ``tests/test_layers.py`` because its implementations call the eager functions
 """
 from __future__ import annotations
 
-import json
-
 import torch
 
-from .gemm.config import FusedMoEConfig
+from .gemm.call import MoECall, op_schema
 from .gemm.decode import sort_path_only
 from .gemm.fused_moe import fused_moe
-from .gemm.layout import PreparedMoEWeights
-from .gemm.lora import PreparedMoELoRA
 from .gemm.op_call import fused_moe_op_call  # noqa: F401  (fmoe2.ops.fused_moe_op_call as before)
 from .sorting.moe_sorting import (MoESortingResult, _check_sorting_args, launch_moe_sorting, max_num_tokens_padded,
                                   moe_sorting_op_call, sorting_buffers)  # noqa: F401  (moe_sorting_op_call re-exported)
 
 _LIB = torch.library.Library("fmoe2", "DEF")
-_LIB.define(
-    "fused_moe(Tensor hidden_states, Tensor w1, Tensor? w2, Tensor topk_weights, Tensor topk_ids, str activation, "
-    "Tensor? expert_map, str path, str config, int prepared_hidden_size, int prepared_intermediate_size, "
-    "Tensor? lora_a13, Tensor? lora_b13, Tensor? lora_a2, Tensor? lora_b2, Tensor? lora_scaling, int lora_rank, "
-    "Tensor? token_lora_ids, Tensor? w1_bias, Tensor? w2_bias, bool gate_up_interleaved, float swiglu_alpha, "
-    "float? swiglu_limit, Tensor? w1_scale=None, Tensor? w2_scale=None, int[]? block_shape=None, "
-    "bool deterministic=False) -> Tensor")
+_LIB.define(op_schema())  # from the fields of fmoe2.gemm.call.MoECall
 _LIB.define(
     "moe_sorting(Tensor topk_ids, Tensor topk_weights, int num_experts, int block_m, Tensor(a!)? out, "
     "Tensor? expert_map) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _fused_moe_impl(hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map, path, config,
-                    prepared_hidden_size, prepared_intermediate_size, lora_a13, lora_b13, lora_a2, lora_b2,
-                    lora_scaling, lora_rank, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha,
-                    swiglu_limit, w1_scale=None, w2_scale=None, block_shape=None, deterministic=False):
-    block_shape = tuple(block_shape) if block_shape is not None else None
-    if prepared_intermediate_size:  # prepared weights: their biases and scales travel as w1_bias ... block_shape
-        w1, w2 = PreparedMoEWeights(w1, w2, prepared_hidden_size, prepared_intermediate_size, w1_bias, w2_bias,
-                                    w1_scale, w2_scale, block_shape), None
-        w1_bias = w2_bias = w1_scale = w2_scale = block_shape = None
-    lora = None
-    if lora_a13 is not None:
-        lora = PreparedMoELoRA(lora_a13, lora_b13, lora_a2, lora_b2, lora_scaling, lora_rank,
-                               hidden_states.shape[1], prepared_intermediate_size or w1.shape[1] // 2)
+def _fused_moe_impl(*values, **named):
+    call = MoECall.from_op(values, named)  # prepared weights and adapters rebuilt from their tensors
     # No one-launch decode in here: CUDA-graph trees run a compiled step's first calls while allocating into their
     # pool, where a kept accumulator would stop them recording (fmoe2/gemm/decode.py).
     with sort_path_only():
-        return fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, expert_map=expert_map,
-                         config=FusedMoEConfig.from_dict(json.loads(config)) if config else None, path=path, lora=lora,
-                         token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
-                         gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
-                         swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape,
-                         deterministic=deterministic)
+        return fused_moe(**call.arguments())
 
 
 def _fused_moe_fake(hidden_states, *args):

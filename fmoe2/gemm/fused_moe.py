@@ -27,6 +27,7 @@ from .config import PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_con
 from .launches import MoEProblem
 from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
+from .call import MoECall, MoEWeights
 from .plan import OUT_SOURCE, MoEPlan, build_plan
 
 PLANS = PlanCache()
@@ -137,36 +138,34 @@ def fused_moe(
         if deterministic and path == "fused":
             deterministic = fused_path_under_the_switch()
     if tracing():
+        call = plan = None
+    else:
+        call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
+                        lora, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+                        w1_scale, w2_scale, block_shape, deterministic)
+        plan = PLANS.get(call[0]) if call is not None else None
+        if (plan is not None and plan.launches is not None and direct_launches()
+                and not (plan.decode_pending and one_launch_allowed())):
+            sources = call[1]
+            if out is None:
+                out = torch.empty_like(hidden_states)  # contiguous, as the key says hidden_states is
+                sources[OUT_SOURCE] = out.data_ptr()
+            else:
+                plan.check_out_overlap(sources)
+            alone = plan.alone
+            if alone is not None and not one_launch_allowed():
+                alone = None
+            run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device, alone)
+            return out
+    # Not cached (or not bindable, or traced): from here on the call is one description (call.py).
+    described = MoECall.bind(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
+                             lora, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+                             w1_scale, w2_scale, block_shape, deterministic)
+    if call is None and tracing():
         from .op_call import fused_moe_op_call
 
-        return fused_moe_op_call(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation, out=out,
-                                 expert_map=expert_map, config=config, path=path, lora=lora,
-                                 token_lora_ids=token_lora_ids, w1_bias=w1_bias, w2_bias=w2_bias,
-                                 gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
-                                 swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale,
-                                 block_shape=block_shape, deterministic=deterministic)
-    call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
-                    token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit, w1_scale,
-                    w2_scale, block_shape, deterministic)
-    plan = PLANS.get(call[0]) if call is not None else None
-    if (plan is not None and plan.launches is not None and direct_launches()
-            and not (plan.decode_pending and one_launch_allowed())):
-        sources = call[1]
-        if out is None:
-            out = torch.empty_like(hidden_states)  # contiguous, as the key says hidden_states is
-            sources[OUT_SOURCE] = out.data_ptr()
-        else:
-            plan.check_out_overlap(sources)
-        alone = plan.alone
-        if alone is not None and not one_launch_allowed():
-            alone = None
-        run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device, alone)
-        return out
-    return run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
-                       lora, token_lora_ids, call[0] if call is not None else None, plan, w1_bias=w1_bias,
-                       w2_bias=w2_bias, gate_up_interleaved=gate_up_interleaved, swiglu_alpha=swiglu_alpha,
-                       swiglu_limit=swiglu_limit, w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape,
-                       deterministic=deterministic)
+        return fused_moe_op_call(described)
+    return run_checked(described, call[0] if call is not None else None, plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,15 +242,18 @@ def check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared):
         check_tensor("w2_bias", w2_bias, dtypes=(dtype,), shape=(E, H), shape_doc=f"[E, H] = [{E}, {H}]")
 
 
-def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config,
-                         path="auto", lora=None, token_lora_ids=None, *, w1_bias=None, w2_bias=None,
-                         gate_up_interleaved=False, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=None, w1_scale=None,
-                         w2_scale=None, block_shape=None, deterministic=False) -> MoEProblem:
-    """Validates every argument of :func:`fused_moe` on the host; raises TypeError/ValueError."""
-    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
-    M, H = hidden_states.shape
-    dtype = hidden_states.dtype
-    check_interpreter_dtype("hidden_states", dtype)  # (bf16 math is wrong under Triton's interpreter)
+def check_fused_moe_args(*args, **keywords) -> MoEProblem:
+    """Validates every argument of :func:`fused_moe` (given as to it) on the host; raises TypeError/ValueError."""
+    return check_call(MoECall.bind(*args, **keywords))
+
+
+def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
+    """Checks the weights bundle against ``hidden_states [M, H]`` of ``dtype``; returns ``(w1, w2, interleaved,
+    E, I, w1_bias, w2_bias, w1_scale, w2_scale, scale_block)`` as the kernels read them (prepared weights'
+    own tensors, scale views)."""
+    w1, w2, w1_bias, w2_bias = weights.w1, weights.w2, weights.w1_bias, weights.w2_bias
+    w1_scale, w2_scale, block_shape = weights.w1_scale, weights.w2_scale, weights.block_shape
+    gate_up_interleaved = weights.gate_up_interleaved
     if isinstance(w1, PreparedMoEWeights):
         if w2 is not None:
             raise ValueError("w2 must be None when w1 is a PreparedMoEWeights (it already holds the down weights)")
@@ -302,13 +304,26 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
         w1_t, w2_t, interleaved = w1, w2, bool(gate_up_interleaved)
     if E < 1 or inter < 1 or H < 1:
         raise ValueError(f"w1 must have E >= 1 experts and H, I >= 1, got E={E}, H={H}, I={inter}")
+    return w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block
+
+
+def check_call(call: MoECall) -> MoEProblem:
+    """Validates every argument of one call of :func:`fused_moe` on the host; raises TypeError/ValueError."""
+    hidden_states, routing, act, options = call.hidden_states, call.routing, call.activation, call.options
+    topk_weights, topk_ids, expert_map = routing.topk_weights, routing.topk_ids, routing.expert_map
+    out, config, path, deterministic = options.out, options.config, options.path, options.deterministic
+    check_tensor("hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, shape_doc="[M, H]")
+    M, H = hidden_states.shape
+    dtype = hidden_states.dtype
+    check_interpreter_dtype("hidden_states", dtype)  # (bf16 math is wrong under Triton's interpreter)
+    w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block = check_weights(call.weights, H, dtype)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc=f"[M, topk] with M={M}")
     if topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must have shape [M, topk] with M={M} and topk >= 1, got {tuple(topk_ids.shape)}")
     topk = topk_ids.shape[1]
     check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(M, topk),
                  shape_doc=f"[M, topk] = [{M}, {topk}] like topk_ids")
-    swiglu_alpha, swiglu_limit = check_activation_args(activation, swiglu_alpha, swiglu_limit)
+    swiglu_alpha, swiglu_limit = check_activation_args(act.activation, act.swiglu_alpha, act.swiglu_limit)
     if expert_map is not None:
         check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), shape_doc="[num_global_experts]")
         if expert_map.numel() < 1:
@@ -326,7 +341,8 @@ def check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activati
                          "with atomics, in no fixed order): pass path='auto' or 'two_stage'")
     if config is not None and not isinstance(config, FusedMoEConfig):
         raise TypeError(f"config must be a fmoe2.FusedMoEConfig or None, got {type(config).__name__}")
-    lora = check_lora_args(lora, token_lora_ids, M, E, H, inter, dtype)
+    token_lora_ids = call.adapters.token_lora_ids
+    lora = check_lora_args(call.adapters.lora, token_lora_ids, M, E, H, inter, dtype)
     check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
                       topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids,
                       w1_bias=w1_bias, w2_bias=w2_bias, w1_scale=s13, w2_scale=s2)
@@ -362,7 +378,7 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
     """``(key, device addresses)`` of a call: the key holds everything the plan depends on and that
     validation checks (shapes, dtypes, strides, devices, which optional tensors are given, the
     other arguments, whether every pointer is 16-byte aligned); the addresses are the call's
-    :data:`~fmoe2.gemm.plan.INPUT_SOURCES` (``out``: 0 when not given). None for arguments the
+    :data:`~fmoe2.gemm.call.INPUT_SOURCES` (``out``: 0 when not given). None for arguments the
     key does not cover (not tensors, unprepared adapters): the call then takes the checked path,
     which raises the right error or runs it."""
     if (type(activation) is not str or type(path) is not str or type(gate_up_interleaved) is not bool
@@ -383,7 +399,8 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
             w1t, w2t = w1, w2
             weights = None if block_shape is None else tuple(block_shape)
         x, tw, ti = hidden_states, topk_weights, topk_ids
-        sources = [x.data_ptr(), w1t.data_ptr(), w2t.data_ptr(), tw.data_ptr(), ti.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
+        # (slots in call.INPUT_SOURCES order: tests/gemm/test_call.py)
+        sources = [x.data_ptr(), tw.data_ptr(), ti.data_ptr(), w1t.data_ptr(), w2t.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
                    0, 0, 0, 0]
         key = (activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit, deterministic,
                # (written out: this runs on every call)
@@ -397,23 +414,23 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         extra = []
         if out is not None:
             extra.extend(_tensor_key(out))
-            sources[5] = out.data_ptr()
+            sources[16] = out.data_ptr()
         else:
             extra.append(None)
         if expert_map is not None:
             extra.extend(_tensor_key(expert_map))
-            sources[6] = expert_map.data_ptr()
+            sources[5] = expert_map.data_ptr()
         else:
             extra.append(None)
         if lora is not None or token_lora_ids is not None:
             if type(lora) is not PreparedMoELoRA or token_lora_ids is None:
                 return None
             extra.extend((lora.rank, lora.hidden_size, lora.intermediate_size, *_tensor_key(token_lora_ids)))
-            sources[7] = token_lora_ids.data_ptr()
+            sources[15] = token_lora_ids.data_ptr()
             for i, t in enumerate((lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling)):
                 extra.extend(_tensor_key(t))
-                sources[8 + i] = t.data_ptr()
-        for i, tensor in ((13, w1_bias), (14, w2_bias), (15, w1_scale), (16, w2_scale)):
+                sources[10 + i] = t.data_ptr()
+        for i, tensor in ((6, w1_bias), (7, w2_bias), (8, w1_scale), (9, w2_scale)):
             if tensor is not None:
                 extra.extend(_tensor_key(tensor))
                 sources[i] = tensor.data_ptr()
@@ -450,57 +467,57 @@ def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str
     return resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
 
 
-def run_checked(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
-                token_lora_ids, key=None, plan: Optional[MoEPlan] = None, **options) -> torch.Tensor:
+def plan_for(call: MoECall, problem: MoEProblem, out: torch.Tensor, bindable: bool) -> MoEPlan:
+    """The plan of the checked ``call`` (``problem``) writing ``out``: its config picked and fitted for the target
+    of its device."""
+    target = target_of(call.hidden_states.device)
+    options, routing = call.options, call.routing
+    return build_plan(problem, call.activation.activation, pick_config(problem, options.config, options.path, target),
+                      target, routing.topk_weights, routing.topk_ids, out, routing.expert_map, bindable=bindable)
+
+
+def run_checked(call: MoECall, key=None, plan: Optional[MoEPlan] = None) -> torch.Tensor:
     """A call that validates every argument, then runs its plan through Triton's JIT: the first
     call of a key (which builds, runs and caches the plan), and every call whose launches cannot
-    be bound (``MoEPlan.direct``). ``options``: the biases, layout and activation parameters of
-    :func:`fused_moe`."""
-    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map,
-                                   config, path, lora, token_lora_ids, **options)
-    if out is None:
-        out = torch.empty_like(hidden_states)
+    be bound (``MoEPlan.direct``)."""
+    problem = check_call(call)
+    hidden_states, routing, options = call.hidden_states, call.routing, call.options
+    out = options.out if options.out is not None else torch.empty_like(hidden_states)
     if problem.num_tokens == 0:
         return out
     if plan is None:
-        target = target_of(hidden_states.device)
-        plan = build_plan(problem, activation, pick_config(problem, config, path, target), target, topk_weights,
-                          topk_ids, out, expert_map, bindable=key is not None and key_aligned(key))
+        plan = plan_for(call, problem, out, bindable=key is not None and key_aligned(key))
         with on_device(hidden_states):
-            plan.run_jit(problem, topk_weights, topk_ids, out, expert_map)
+            plan.run_jit(problem, routing.topk_weights, routing.topk_ids, out, routing.expert_map)
         if key is not None:
             PLANS.put(key, plan)
         return out
     with on_device(hidden_states):
-        plan.run_jit(problem, topk_weights, topk_ids, out, expert_map)
+        plan.run_jit(problem, routing.topk_weights, routing.topk_ids, out, routing.expert_map)
     return out
 
 
-def plan_of(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
-            config=None, path="auto", lora=None, token_lora_ids=None, **options) -> Optional[MoEPlan]:
-    """The cached plan a call with these arguments runs (None before its first run)."""
-    call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
-                    token_lora_ids, **options)
-    return PLANS.get(call[0]) if call is not None else None
+def plan_of(*args, **keywords) -> Optional[MoEPlan]:
+    """The cached plan a call of ``fused_moe(*args, **keywords)`` runs (None before its first run)."""
+    key = call_key(**MoECall.bind(*args, **keywords).arguments())
+    return PLANS.get(key[0]) if key is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
 # The launches (each launch's description: launches.py; running them: plan.py)
 # ---------------------------------------------------------------------------------------------
 
-def forward_launches(hidden_states, w1, w2, topk_weights, topk_ids, *, activation="silu", out=None, expert_map=None,
-                     config=None, path="auto", lora=None, token_lora_ids=None, **options):
-    """The launches of one forward as ``(name, launch)`` pairs, on one scratch block kept for all of
-    them (the benchmark times each alone; tests run them one by one). Launched through Triton's JIT."""
-    problem = check_fused_moe_args(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map,
-                                   config, path, lora, token_lora_ids, **options)
-    if out is None:
-        out = torch.empty_like(hidden_states)
-    target = target_of(hidden_states.device)
-    plan = build_plan(problem, activation, pick_config(problem, config, path, target), target, topk_weights, topk_ids,
-                      out, expert_map, bindable=False)
+def forward_launches(*args, **keywords):
+    """The launches of one forward of ``fused_moe(*args, **keywords)`` as ``(name, launch)`` pairs, on one
+    scratch block kept for all of them (the benchmark times each alone; tests run them one by one). Launched
+    through Triton's JIT."""
+    call = MoECall.bind(*args, **keywords)
+    problem = check_call(call)
+    hidden_states, routing, options = call.hidden_states, call.routing, call.options
+    out = options.out if options.out is not None else torch.empty_like(hidden_states)
+    plan = plan_for(call, problem, out, bindable=False)
     block = plan.layout.allocate(hidden_states.device)
-    specs = plan.specs(problem, topk_weights, topk_ids, out, expert_map, block)
+    specs = plan.specs(problem, routing.topk_weights, routing.topk_ids, out, routing.expert_map, block)
 
     def launch(spec):
         def run():

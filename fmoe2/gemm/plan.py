@@ -32,26 +32,13 @@ from ..buffers import BufferLayout
 from ..launch import BoundLaunch, bind_launches, direct_launches, interpreter_turn, raw_stream
 from ..sorting import checked_chunk_size
 from ..target import Target
+# The per-call device addresses a plan's launches read, in INPUT_SOURCES order (0 where absent; the scratch
+# buffers' addresses follow): named by the call's description, read from the checked call by input_sources.
+from .call import INPUT_SOURCES, OUT_SOURCE, checked_sources as input_sources  # noqa: F401  (INPUT_SOURCES as before)
 from .config import FusedMoEConfig
 from .decode import kept_accumulator, one_launch_allowed
 from . import launches
 from .launches import MoEProblem, forward_buffer_views, forward_buffers
-
-# Per-call device addresses a plan's launches read, in this order (0 where absent); the scratch
-# buffers' addresses follow them.
-INPUT_SOURCES = ("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "out", "expert_map", "token_lora_ids",
-                 "lora.a13", "lora.b13", "lora.a2", "lora.b2", "lora.scaling", "w1_bias", "w2_bias", "w1_scale",
-                 "w2_scale")
-OUT_SOURCE = INPUT_SOURCES.index("out")
-
-
-def input_sources(problem: MoEProblem, topk_weights, topk_ids, out, expert_map) -> List[Optional[torch.Tensor]]:
-    """The call's tensors in :data:`INPUT_SOURCES` order."""
-    lora = problem.lora
-    lora_tensors = (lora.a13, lora.b13, lora.a2, lora.b2, lora.scaling) if lora is not None else (None,) * 5
-    return [problem.x, problem.w1, problem.w2, topk_weights, topk_ids, out, expert_map, problem.token_lora_ids,
-            *lora_tensors, problem.w1_bias, problem.w2_bias, problem.w1_scale, problem.w2_scale]
-
 
 def source_addresses(problem: MoEProblem, topk_weights, topk_ids, out, expert_map) -> List[int]:
     """The device address of each of the call's :data:`INPUT_SOURCES` (0 where absent)."""
