@@ -36,7 +36,7 @@ def _entry_kernels(include_bench: bool = True):
 
 def test_there_are_entry_kernels_to_check():
     names = {node.name for _, node in _entry_kernels()}
-    assert {"_fused_kernel", "_decode_kernel", "_stage1_kernel", "_stage2_kernel", "_combine_slots_kernel",
+    assert {"_fused_kernel", "_fused_cast_kernel", "_stage1_kernel", "_stage2_kernel", "_combine_slots_kernel",
             "_cast_rows_kernel", "_moe_sorting_kernel"} <= names
 
 

@@ -37,7 +37,7 @@ def _gathered_gemm_kernel(
     """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),)."""
     expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
         sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
-        BLOCK_K, GROUP_M, 1)
+        BLOCK_K, GROUP_M, 1, ATOMIC_OUTPUT, False)
     if expert < 0:
         return
     a_row = row_id // A_ROW_DIVISOR

@@ -139,8 +139,8 @@ class MoECall:
         return {n: flat[n] for n in KEYWORDS}
 
     def op_values(self) -> list:
-        """The call in ``torch.ops.fmoe2.fused_moe``'s slot order (:data:`OP_ORDER`, :func:`op_schema`): plain values and tensors,
-        prepared weights and adapters as their tensors and sizes, a config as JSON."""
+        """The call in ``torch.ops.fmoe2.fused_moe``'s slot order (:data:`OP_ORDER`, :func:`op_schema`): plain values
+        and tensors, prepared weights and adapters as their tensors and sizes, a config as JSON."""
         values = self.arguments()
         w = self.weights
         sizes = (0, 0)

@@ -72,5 +72,5 @@ def _cast_rows_kernel(
     offs_t, offs_h, t_valid, h_valid = _token_block(num_tokens, H, BLOCK_T, BLOCK_H)
     mask = t_valid[:, None] & h_valid[None, :]
     row = tl.load(rows_ptr + offs_t[:, None] * stride_rows_m + offs_h[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + offs_t[:, None] * stride_out_m + offs_h[None, :], row.to(tl.float32).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    row = row.to(tl.float32).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_t[:, None] * stride_out_m + offs_h[None, :], row, mask=mask)

@@ -26,14 +26,12 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_GROUP, _quantize_rows, fp8_constexprs
-from ..grid_dependency import dependent_launch_prologue, gdc_wait
+from ..grid_dependency import dependent_launch_prologue
 from ..target import Target
-from .activations import _activate
 from .epilogues import _cast_rows_last_added, _store_y
-from .fused_moe_kernel import _fused_program
+from .fused_moe_kernel import _activated, _expected_adds, _fused_program
 from .grouped_gemm_kernel import _add_bias, _stage2_program, _write_rows
-from .operands import _add_gate_up_bias
-from .tiles import _kept_slots, _slice_columns
+from .tiles import _slice_columns
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +117,8 @@ def _tile_gemm_fp8(a_rows, a_scale_rows, row_valid, b_rows, bs_rows, n_valid, st
                    K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
                    SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr,
                    SCALE_BLOCK_K: tl.constexpr):
-    """:func:`grouped_gemm_kernel._tile_gemm_16bit` with fp8 B (``bs_rows`` [BLOCK_N] pointers to its rows' scales, at K step 0):
+    """:func:`grouped_gemm_kernel._tile_gemm_16bit` with fp8 B (``bs_rows`` [BLOCK_N] pointers to its rows' scales,
+    at K step 0):
     A's tiles are quantized here per row (BLOCK_K = one activation group), or, with ``a_scale_rows`` ([BLOCK_M]
     pointers to the rows' scales), A is fp8 already; each step's product is scaled by both."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -153,11 +152,9 @@ def _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, e
                             w1_ptr + expert * stride_w1_e, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid,
                             I, H, w1_scale_ptr + expert * stride_s1_e, stride_s1_n, stride_s1_k, BLOCK_M, BLOCK_N,
                             BLOCK_K, GATE_UP_INTERLEAVED, SCALE_BLOCK_N, SCALE_BLOCK_K)
-    b1_expert = None
-    if w1_bias_ptr is not None:
-        b1_expert = w1_bias_ptr + expert * stride_b1_e
-    gate, up = _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAVED)
-    return _activate(gate, up, route_weight, DTYPE, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT), offs_n, n_valid
+    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, None, DTYPE,
+                   ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
+    return y, offs_n, n_valid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,27 +188,26 @@ def _fused_fp8_kernel(
 ):
     """The fused path with fp8 weights (``operands.py``); BLOCK_K and BLOCK_N are one activation group."""
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
-        final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N,
-        BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(final_out_ptr, topk_ids_ptr, None,
+        expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, GROUP_M,
+        TOPK, NUM_EXPERTS, 1)
     if expert < 0:
         return
-    num_slices = tl.cdiv(I, BLOCK_N)
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
                                            row_valid, route_weight, slice_id, H, I, stride_xq_m, stride_xs_m,
                                            stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n,
                                            stride_s1_k, stride_b1_e, DTYPE, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
                                            GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK_N,
                                            SCALE_BLOCK_K)
-    if final_out_ptr is not None:
-        expected_adds = _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK,
-                                    NUM_EXPERTS) * num_slices
+    expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
+                                   I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     b2_expert = None
     if w2_bias_ptr is not None:
         b2_expert = w2_bias_ptr + expert * stride_b2_e
     _down_fp8(y, out_ptr + token[:, None] * stride_out_m, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h,
-              stride_w2_i, offs_n, n_valid, H, slice_id * BLOCK_N, b2_expert, tl.where(slice_id == 0, route_weight, 0.0),
+              stride_w2_i, offs_n, n_valid, H, slice_id * BLOCK_N, b2_expert,
+              tl.where(slice_id == 0, route_weight, 0.0),
               w2_scale_ptr + expert * stride_s2_e, stride_s2_n, stride_s2_k, BLOCK_H, FP8_MAX, SOFT_FP8_ROUNDING,
               FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
     if final_out_ptr is not None:
@@ -236,9 +232,9 @@ def _stage1_fp8_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
-        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
+        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
@@ -261,7 +257,8 @@ def _stage2_fp8_kernel(
     b_ptr,  # fp8 w2 [E, N, K]
     b_scale_ptr,  # [E, Sn, Sk] float32 (stride 0 along a dimension of size 1): B[e, n, k]'s at [e, n //
     # SCALE_BLOCK_N, k // SCALE_BLOCK_K]
-    c_ptr, bias_ptr, row_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr,  # as _stage2_kernel's (grouped_gemm_kernel.py)
+    # as _stage2_kernel's (grouped_gemm_kernel.py):
+    c_ptr, bias_ptr, row_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr,
     num_valid_ids, N, K, num_grid_tiles,
     stride_a_m, stride_as_m, stride_b_e, stride_b_n, stride_b_k, stride_bs_e, stride_bs_n, stride_bs_k,
     stride_bias_e, stride_c_m,
@@ -270,12 +267,9 @@ def _stage2_fp8_kernel(
     FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
 ):
-    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
-    if PDL:
-        gdc_wait()
     expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
         sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
-        BLOCK_K, GROUP_M, SPLIT_K)
+        BLOCK_K, GROUP_M, SPLIT_K, ATOMIC_OUTPUT, PDL)
     if expert < 0:
         return
     a_row = offs_m.to(tl.int64)

@@ -14,8 +14,7 @@ Each output element therefore receives ``topk * ceil(I / BLOCK_N)`` atomic adds,
 | entry | launch (``launches.py``) |
 |---|---|
 | ``_fused_kernel`` | the fused path, 16-bit weights |
-| ``_fused_cast_kernel`` | the same at decode sizes, casting its float32 accumulator itself (``fused_kernel_casts``) |
-| ``_decode_kernel`` | the one-launch decode: no sort, tile t is the token's top-k slot t (``decodes_in_one_launch``) |
+| ``_fused_cast_kernel`` | the same at decode sizes, casting its float32 accumulator itself (``fused_kernel_casts``); also the one-launch decode: no sort, tile t is the token's top-k slot t (``decodes_in_one_launch``) |
 | ``_fused_lora_kernel`` | the fused path with adapters (``fused_lora.py``) |
 | ``_stage1_kernel`` / ``_stage1_lora_kernel`` | stage 1: y stored in sorted row order, no down GEMM (``grouped_gemm_kernel.py`` does it) |
 
@@ -48,6 +47,36 @@ from .tiles import (_grouped_program, _kept_slots, _slice_columns, _slot_expert,
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _gate_up_operands(x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n,
+                      BLOCK_N: tl.constexpr):
+    """``(offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0)``: the slice's columns and interleaved
+    rows (``_slice_columns``), the rows' x pointers [BLOCK_M, 1], the expert's w1, and the first descriptor row of
+    the slice's gate/up tile (tensor-descriptor loads only)."""
+    offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
+    w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
+    x_rows = x_ptr + token[:, None] * stride_x_m
+    return offs_n, n_valid, offs_r, r_valid, x_rows, w1_ptr + expert * stride_w1_e, w13_row0
+
+
+@triton.jit
+def _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
+               dtype: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+               GATE_UP_INTERLEAVED: tl.constexpr):
+    """The slice's intermediate from its gate and up accumulators: the gate/up bias (``w1_bias_ptr``: None or [E,
+    2I(_pad)] in w1's row order), the activation and the routing weight, in ``dtype``."""
+    b1_expert = None
+    if w1_bias_ptr is not None:
+        b1_expert = w1_bias_ptr + expert * stride_b1_e
+    gate, up = _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAVED)
+    y = _activate(gate, up, route_weight, dtype, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    if w13_desc is not None:
+        # Columns past I came from padding or the next expert's rows; w2 has zeros there, but a value
+        # that overflowed fp16 would still give inf * 0 = NaN in the down GEMM (the pointer path loads 0).
+        y = tl.where(n_valid[None, :], y, 0.0)
+    return y
+
+
+@triton.jit
 def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid, route_weight, slice_id, H, I,
                         stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION: tl.constexpr,
                         SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
@@ -56,20 +85,13 @@ def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row
     weight applied, from 16-bit weights (w1: plain [E, 2I, H], gate rows then up rows; interleaved [E, 2*I_pad,
     H_pad], g0, u0, g1, u1, ...; ``w13_desc``: None, or a tensor descriptor of interleaved w1 viewed [E *
     2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]; ``w1_bias_ptr``: None or [E, 2I(_pad)] in w1's row order)."""
-    offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
-    w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
-    gate, up, _ = _gate_up_16bit(x_ptr + token[:, None] * stride_x_m, row_valid, w1_ptr + expert * stride_w1_e,
-                                 stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H, offs_n, n_valid,
-                                 w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
-    b1_expert = None
-    if w1_bias_ptr is not None:
-        b1_expert = w1_bias_ptr + expert * stride_b1_e
-    gate, up = _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAVED)
-    y = _activate(gate, up, route_weight, x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT)
-    if w13_desc is not None:
-        # Columns past I came from padding or the next expert's rows; w2 has zeros there, but a value
-        # that overflowed fp16 would still give inf * 0 = NaN in the down GEMM (the pointer path loads 0).
-        y = tl.where(n_valid[None, :], y, 0.0)
+    offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
+        x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
+    gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
+                                 r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 GATE_UP_INTERLEAVED, False, 16, None)
+    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
+                   x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     return y, offs_n, n_valid
 
 
@@ -91,14 +113,16 @@ def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expe
 
 
 @triton.jit
-def _fused_program(final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr,
-                   sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts,
-                   stride_final_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                   GROUP_M: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr, IDS_PER_TOKEN: tl.constexpr):
-    """``(expert, slice_id, offs_m, token, row_valid, route_weight)`` of this program over the sorted tiles
-    (``tiles.py``); expert -1: nothing (more) to do. Where the kernel casts its accumulator (``final_out_ptr``
-    given) the programs after the GEMM programs zero the output rows of tokens routed nowhere instead. The rows are
-    loaded with the expert (stale for a tile past the sorted ones, never used)."""
+def _fused_program(final_out_ptr, topk_ids_ptr, topk_weights_ptr, expert_map_ptr, sorted_token_ids_ptr,
+                   sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles,
+                   num_global_experts, stride_final_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                   IDS_PER_TOKEN: tl.constexpr):
+    """``(expert, slice_id, offs_m, token, row_valid, route_weight)`` of this program (``tiles.py``); expert -1:
+    nothing (more) to do. Tiles are the sort's, or, without ``sorted_token_ids_ptr`` (the one-launch decode), the
+    token's top-k slots. Where the kernel casts its accumulator (``final_out_ptr`` given) the programs after the
+    GEMM programs zero the output rows of tokens routed nowhere instead. The rows are loaded with the expert
+    (stale for a tile past the sorted ones, never used)."""
     pid = tl.program_id(0)
     num_slices = tl.cdiv(I, BLOCK_N)
     if final_out_ptr is not None:
@@ -109,12 +133,28 @@ def _fused_program(final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids
                                 num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
         pid = tl.where(is_zeroing, 0, pid)
     tile, slice_id = _grouped_program(pid, num_grid_tiles, num_slices, GROUP_M)
-    expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+    if sorted_token_ids_ptr is None:  # a dropped slot gets expert -1: no adds, and _kept_slots does not count it
+        expert = _slot_expert(tile, topk_ids_ptr, expert_map_ptr, num_global_experts, TOPK, NUM_EXPERTS)
+        offs_m, token, row_valid, route_weight = _slot_rows(tile, topk_weights_ptr, BLOCK_M)
+    else:
+        expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
+        offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr,
+                                                              num_tokens, BLOCK_M, IDS_PER_TOKEN)
     if final_out_ptr is not None:
         expert = tl.where(is_zeroing, -1, expert)
-    offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens,
-                                                          BLOCK_M, IDS_PER_TOKEN)
     return expert, slice_id, offs_m, token, row_valid, route_weight
+
+
+@triton.jit
+def _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, I,
+                   BLOCK_N: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+    """Where the kernel casts its accumulator (``final_out_ptr`` given): the adds each row's token gets, its kept
+    slots times the slices ([BLOCK_M] int32; loaded before the GEMM loops, whose time hides it); else 0."""
+    expected = 0
+    if final_out_ptr is not None:
+        expected = _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK,
+                               NUM_EXPERTS) * tl.cdiv(I, BLOCK_N)
+    return expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,28 +178,41 @@ def _fused_kernel(
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's results
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
-        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, 1)
-    if expert < 0:
-        return
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
+        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, BLOCK_H, GROUP_M, 1, 1, 1)
+    if expert >= 0:
+        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
+                          out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid, route_weight,
+                          H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h,
+                          stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
+                          GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H)
+
+
+@triton.jit
+def _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, out_rows, expert, slice_id,
+                      token, row_valid, route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k,
+                      stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION: tl.constexpr,
+                      SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program's whole fused forward from 16-bit weights: gate/up, activation, down added into ``out_rows``."""
     y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
                                              route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
                                              stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
                                              GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K)
-    _down_slice_16bit(y, out_ptr + token[:, None] * stride_out_m, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert,
-                      route_weight, slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e,
-                      BLOCK_M, BLOCK_N, BLOCK_H)
+    _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert, route_weight, slice_id, offs_n,
+                      n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M, BLOCK_N, BLOCK_H)
 
 
 @triton.jit
 def _fused_cast_kernel(
     x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
-    out_ptr,  # the float32 accumulator [M, H] followed by M int32 add counters, all zeroed by the sort
+    out_ptr,  # the float32 accumulator [M, H] followed by M int32 add counters, zero (the sort's, or a kept one)
     final_out_ptr,  # [M, H] in x's dtype: each row cast there by the program that adds into it last
     topk_ids_ptr,  # [M * TOPK] int32/int64: each row's expected adds are its kept slots times the slices
+    topk_weights_ptr,  # None, or (the one-launch decode) [TOPK] float32/bf16/fp16
     expert_map_ptr,  # None or [num_global_experts] int32
-    sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+    sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,  # None for the decode
     num_tokens, H, I, num_grid_tiles, num_global_experts,
     stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e,
     stride_b2_e, stride_out_m, stride_final_m,
@@ -167,70 +220,25 @@ def _fused_cast_kernel(
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
 ):
-    """``_fused_kernel`` into a float32 accumulator that it casts itself (``epilogues.py``)."""
+    """``_fused_kernel`` into a float32 accumulator that it casts itself (``epilogues.py``). Its tiles are the
+    sort's, or, for the one-launch decode (no sort launch before it, so no PDL), the one token's top-k slots (tile
+    t: slot t, expert and weight read from topk_ids and topk_weights); the decode's accumulator is a kept one, which
+    the last adder leaves zeroed with its counter."""
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
-        final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N,
-        BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
-    if expert < 0:
-        return
-    num_slices = tl.cdiv(I, BLOCK_N)
-    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
-                                             route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
-                                             stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                             GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K)
-    # Loaded before the down loop, whose time hides it.
-    expected_adds = _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK,
-                                NUM_EXPERTS) * num_slices
-    _down_slice_16bit(y, out_ptr + token[:, None] * stride_out_m, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert,
-                      route_weight, slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e,
-                      BLOCK_M, BLOCK_N, BLOCK_H)
-    _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
-                          stride_final_m, BLOCK_M, BLOCK_H, False)
-
-
-@triton.jit
-def _decode_kernel(
-    x_ptr,  # [1, H]
-    w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
-    out_ptr,  # a kept float32 accumulator [1, H] and its add counter, zero; the kernel leaves them zero
-    final_out_ptr,  # [1, H] in x's dtype
-    topk_ids_ptr,  # [TOPK] int32/int64: tile t is slot t
-    topk_weights_ptr,  # [TOPK] float32/bf16/fp16
-    expert_map_ptr,  # None or [num_global_experts] int32
-    H, I, num_global_experts,
-    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e,
-    stride_b2_e, stride_out_m, stride_final_m,
-    ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-):
-    """The one-launch decode: one token's fused forward with no sort launch before it (so no PDL), its expert and
-    weight of tile t read from topk_ids and topk_weights; the last adder casts the row and zeroes the kept
-    accumulator and counter again."""
-    pid = tl.program_id(0)
-    num_slices = tl.cdiv(I, BLOCK_N)
-    if pid >= TOPK * num_slices:  # the last program: the token's row if it routes nowhere
-        _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, 0, 1, num_global_experts, H, stride_final_m,
-                            BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
-        return
-    slot, slice_id = _grouped_program(pid, TOPK, num_slices, GROUP_M)
-    expert = _slot_expert(slot, topk_ids_ptr, expert_map_ptr, num_global_experts, TOPK, NUM_EXPERTS)
-    if expert < 0:  # a dropped slot: no adds, and _kept_slots does not count it
-        return
-    offs_m, token, row_valid, route_weight = _slot_rows(slot, topk_weights_ptr, BLOCK_M)
-    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
-                                             route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
-                                             stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                             GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K)
-    expected_adds = _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK,
-                                NUM_EXPERTS) * num_slices
-    _down_slice_16bit(y, out_ptr + token[:, None] * stride_out_m, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert,
-                      route_weight, slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e,
-                      BLOCK_M, BLOCK_N, BLOCK_H)
-    _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, 1, H, stride_out_m,
-                          stride_final_m, BLOCK_M, BLOCK_H, True)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(final_out_ptr, topk_ids_ptr,
+        topk_weights_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M,
+        BLOCK_N, BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
+    if expert >= 0:
+        expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid,
+                                       num_global_experts, I, BLOCK_N, TOPK, NUM_EXPERTS)
+        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
+                          out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid, route_weight,
+                          H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h,
+                          stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
+                          GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H)
+        _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
+                              stride_final_m, BLOCK_M, BLOCK_H, sorted_token_ids_ptr is None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,17 +278,14 @@ def _fused_lora_kernel(
     # Loaded with the tile's expert id: a batch without adapters then goes to the plain loops without waiting
     # for its rows' adapter ids.
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
-        final_out_ptr, topk_ids_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N,
-        BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(final_out_ptr, topk_ids_ptr, None,
+        expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, GROUP_M,
+        TOPK, NUM_EXPERTS, 1)
     if expert < 0:
         return
-    num_slices = tl.cdiv(I, BLOCK_N)
-    offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
-    x_rows = x_ptr + token[:, None] * stride_x_m
-    w1_expert = w1_ptr + expert * stride_w1_e
-    w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
+    offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
+        x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
     a2_expert = lora_a2_ptr + expert * stride_la2_e
     row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
         token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
@@ -297,16 +302,10 @@ def _fused_lora_kernel(
                                       stride_lb13_l, stride_lb13_r, a2_expert, stride_la2_l, stride_la2_r, row_slot,
                                       present, slot_of, num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_K,
                                       GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES)
-    b1_expert = None
-    if w1_bias_ptr is not None:
-        b1_expert = w1_bias_ptr + expert * stride_b1_e
-    gate, up = _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAVED)
-    y = _activate(gate, up, route_weight, x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT)
-    if w13_desc is not None:  # (see _intermediate_16bit)
-        y = tl.where(n_valid[None, :], y, 0.0)
-    if final_out_ptr is not None:  # loaded before the down loop, whose time hides it
-        expected_adds = _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, TOPK,
-                                    NUM_EXPERTS) * num_slices
+    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
+                   x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
+    expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
+                                   I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     out_rows = out_ptr + token[:, None] * stride_out_m
     if num_present == 0:
         _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert, route_weight, slice_id,
@@ -345,9 +344,9 @@ def _stage1_kernel(
     IDS_PER_TOKEN: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
-        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
+        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
@@ -383,15 +382,13 @@ def _stage1_lora_kernel(
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     dependent_launch_prologue(PDL)
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(
-        None, None, None, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, H, I, num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
+        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
-    offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
-    x_rows = x_ptr + token[:, None] * stride_x_m
-    w1_expert = w1_ptr + expert * stride_w1_e
-    w13_row0 = (expert * (stride_w1_e // stride_w1_n)).to(tl.int32) + slice_id * (2 * BLOCK_N)
+    offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
+        x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
     if lora_delta13_ptr is not None:
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                      r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -422,13 +419,8 @@ def _stage1_lora_kernel(
                                           a2_expert, stride_la2_l, stride_la2_r, row_slot, present, slot_of,
                                           num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
                                           LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES)
-    b1_expert = None
-    if w1_bias_ptr is not None:
-        b1_expert = w1_bias_ptr + expert * stride_b1_e
-    gate, up = _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAVED)
-    y = _activate(gate, up, route_weight, x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT)
-    if w13_desc is not None:  # (see _intermediate_16bit)
-        y = tl.where(n_valid[None, :], y, 0.0)
+    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
+                   x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, None, slice_id)
     if lora_delta13_ptr is None:
         if num_present > 0:

@@ -9,8 +9,7 @@ topk, H]`` buffer, which ``combine_kernel.py`` then sums over the slots in a fix
 
 | entry | launch (``launches.stage2_kernel_launch``) |
 |---|---|
-| ``_stage2_kernel`` | 16-bit weights; A and B through tensor descriptors where given (``FusedMoEConfig.tma``, Hopper's bulk tensor copy engine) |
-| ``_stage2_lora_kernel`` | the same, adding the down deltas of the rows' adapters (where the two stages compute them) |
+| ``_stage2_kernel`` | 16-bit weights; A and B through tensor descriptors where given (``FusedMoEConfig.tma``, Hopper's bulk tensor copy engine); with adapters (where the two stages compute their deltas) adding the down deltas of the rows' adapters |
 
 (fp8 weights: ``_stage2_fp8_kernel`` in ``fp8_weights.py``.)
 
@@ -97,10 +96,14 @@ def _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOM
 @triton.jit
 def _stage2_program(sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    SPLIT_K: tl.constexpr):
-    """``(expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid)`` of this program: its sorted
-    tile's expert (-1: nothing to do), K share and rows (:func:`_stage2_rows`; loaded with the expert, stale for
-    a tile past the sorted ones: the grid is sized for the worst routing, never used)."""
+                    SPLIT_K: tl.constexpr, ATOMIC_OUTPUT: tl.constexpr, PDL: tl.constexpr):
+    """``(expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid)`` of this program: its
+    sorted tile's expert (-1: nothing to do), K share and rows (:func:`_stage2_rows`; loaded with the expert, stale
+    for a tile past the sorted ones: the grid is sized for the worst routing, never used). With PDL it first waits
+    for the previous launch's results (y, the zeroed output)."""
+    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
+    if PDL:
+        gdc_wait()
     tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
                                                      SPLIT_K)
     expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
@@ -132,26 +135,43 @@ def _stage2_kernel(
     sorted_ids_ptr,  # [num_grid_tiles * BLOCK_M] int32 ids (token, or token * topk + slot), padding >= num_valid_ids
     expert_ids_ptr,  # [max_tiles] int32
     num_sorted_tiles_ptr,  # [1] int32
+    # The down deltas of the rows' adapters (None without; see the module docstring):
+    token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none
+    lora_shrink_ptr,  # [num_shrink_splits, num_grid_tiles * BLOCK_M, LORA_RANK] fp32: stage 1's partial shrinks
+    lora_b_ptr,  # B2t [L, E, LORA_RANK, N_pad]
+    lora_scaling_ptr,  # [L] float32
+    num_lora_tokens_ptr,  # [1] int32: tokens with an adapter (from the sort)
     b_rows_per_expert,  # B.shape[1] (read with b_desc only)
-    num_valid_ids, N, K, num_grid_tiles,
-    stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m,
+    num_valid_ids, N, K, num_grid_tiles, num_loras,
+    num_shrink_splits,  # I slices of stage 1
+    stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m, stride_shrink_split, stride_lb_l,
+    stride_lb_e, stride_lb_r,
     ATOMIC_OUTPUT: tl.constexpr,  # relaxed atomic add at row id (else a store)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
     SPLIT_K: tl.constexpr,  # programs per (tile, N block), each over a share of K (ATOMIC_OUTPUT only)
+    LORA_RANK: tl.constexpr,  # padded rank
+    LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
+    LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand
+    LORA_SPLITS_PER_STEP: tl.constexpr,  # partial shrinks loaded per step of their sum
+    IDS_PER_TOKEN: tl.constexpr,  # a row's token (for its adapter) is id // IDS_PER_TOKEN
 ):
-    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
-    if PDL:  # wait until the previous launch's results (y, the zeroed output) are visible
-        gdc_wait()
     expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
         sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
-        BLOCK_K, GROUP_M, SPLIT_K)
+        BLOCK_K, GROUP_M, SPLIT_K, ATOMIC_OUTPUT, PDL)
     if expert < 0:
         return
     acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
                            b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
                            (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
                            k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if lora_shrink_ptr is not None:
+        # The first K share adds the deltas; a batch without adapters skips even numbering slots.
+        if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
+            acc = _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, token_lora_ids_ptr,
+                                   lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_loras, num_shrink_splits,
+                                   stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, LORA_RANK, LORA_IDS,
+                                   LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN)
     acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr, offs_m, offs_n, n_valid, k_first)
     _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
 
@@ -180,47 +200,3 @@ def _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, to
                                     LORA_SLOTS * LORA_RANK)
             acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _stage2_lora_kernel(
-    a_ptr, b_ptr, c_ptr, a_desc, b_desc, bias_ptr, row_weights_ptr,  # as _stage2_kernel's
-    token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none
-    lora_shrink_ptr,  # [num_shrink_splits, num_grid_tiles * BLOCK_M, LORA_RANK] fp32: stage 1's partial shrinks
-    lora_b_ptr,  # B2t [L, E, LORA_RANK, N_pad]
-    lora_scaling_ptr,  # [L] float32
-    num_lora_tokens_ptr,  # [1] int32: tokens with an adapter (from the sort)
-    sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr,
-    b_rows_per_expert, num_valid_ids, N, K, num_grid_tiles, num_loras,
-    num_shrink_splits,  # I slices of stage 1
-    stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m, stride_shrink_split, stride_lb_l,
-    stride_lb_e, stride_lb_r,
-    ATOMIC_OUTPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    LORA_RANK: tl.constexpr,  # padded rank
-    LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
-    LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand
-    LORA_SPLITS_PER_STEP: tl.constexpr,  # partial shrinks loaded per step of their sum
-    IDS_PER_TOKEN: tl.constexpr,  # a row's token (for its adapter) is id // IDS_PER_TOKEN
-):
-    tl.static_assert(SPLIT_K == 1 or ATOMIC_OUTPUT, "K shares add their partial products: SPLIT_K needs ATOMIC_OUTPUT")
-    if PDL:
-        gdc_wait()
-    expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
-        sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
-        BLOCK_K, GROUP_M, SPLIT_K)
-    if expert < 0:
-        return
-    acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
-                           b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
-                           (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
-                           k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
-    # The first K share adds the deltas; a batch without adapters skips even numbering slots.
-    if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
-        acc = _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, token_lora_ids_ptr,
-                               lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_loras, num_shrink_splits,
-                               stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, LORA_RANK, LORA_IDS,
-                               LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN)
-    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr, offs_m, offs_n, n_valid, k_first)
-    _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
-

@@ -29,9 +29,8 @@ from ..target import Target
 from .combine_kernel import _cast_rows_kernel, _combine_slots_kernel
 from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
 from . import fp8_weights
-from .fused_moe_kernel import (_decode_kernel, _fused_cast_kernel, _fused_kernel, _fused_lora_kernel, _stage1_kernel,
-                               _stage1_lora_kernel)
-from .grouped_gemm_kernel import _stage2_kernel, _stage2_lora_kernel
+from .fused_moe_kernel import _fused_cast_kernel, _fused_kernel, _fused_lora_kernel, _stage1_kernel, _stage1_lora_kernel
+from .grouped_gemm_kernel import _stage2_kernel
 from .lora import PreparedMoELoRA
 from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 
@@ -303,7 +302,7 @@ def _lora_args(problem: MoEProblem) -> dict:
 # Entry kernel of each launch of the fused-kernel family with 16-bit weights: (decode, fused, stage 1) x (without,
 # with adapters), where the fused path has a second entry that casts its float32 accumulator itself.
 _FUSED_ENTRIES = {("fused", False): _fused_kernel, ("fused_cast", False): _fused_cast_kernel,
-                  ("decode", False): _decode_kernel, ("fused", True): _fused_lora_kernel,
+                  ("decode", False): _fused_cast_kernel, ("fused", True): _fused_lora_kernel,
                   ("fused_cast", True): _fused_lora_kernel, ("stage1", False): _stage1_kernel,
                   ("stage1", True): _stage1_lora_kernel}
 # Weight formats beyond 16-bit, by MoEProblem.weight_format: each module's ENTRIES (launch name -> entry kernel),
@@ -363,7 +362,7 @@ def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoES
         num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),
         lora_delta13_ptr=delta13, stride_delta13_m=delta13.stride(0) if delta13 is not None else None,
         lora_shrink2_ptr=shrink2, stride_shrink2_split=shrink2.stride(0) if shrink2 is not None else None,
-        final_out_ptr=None, topk_ids_ptr=None, expert_map_ptr=None, num_global_experts=None, stride_final_m=None,
+        final_out_ptr=None, topk_ids_ptr=None, topk_weights_ptr=None, expert_map_ptr=None, num_global_experts=None, stride_final_m=None,
         TOPK=1, NUM_EXPERTS=1,
         ACTIVATION=activation, SWIGLU_ALPHA=problem.swiglu_alpha, SWIGLU_LIMIT=problem.swiglu_limit,
         GATE_UP_INTERLEAVED=problem.gate_up_interleaved,
@@ -523,6 +522,9 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
         ATOMIC_OUTPUT=not deterministic, BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
         GROUP_M=config.S2_GROUP_M, PDL=pdl, SPLIT_K=config.S2_SPLIT_K,
         IDS_PER_TOKEN=problem.topk if deterministic else 1,
+        token_lora_ids_ptr=None, lora_shrink_ptr=None, lora_b_ptr=None, lora_scaling_ptr=None, num_lora_tokens_ptr=None,
+        num_loras=None, num_shrink_splits=None, stride_shrink_split=None, stride_lb_l=None, stride_lb_e=None,
+        stride_lb_r=None, LORA_SPLITS_PER_STEP=1, **lora_constexprs(None, 0, 0),
     )
     kernel = _stage2_kernel
     weight_format = WEIGHT_FORMATS.get(problem.weight_format)
@@ -530,7 +532,6 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
         kernel = weight_format.ENTRIES["stage2"]
         values.update(weight_format.stage2_values(problem, target, workspace))
     if lora is not None:
-        kernel = _stage2_lora_kernel
         shrink, b2 = workspace.lora_shrink2, lora.b2
         values.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,
                       lora_scaling_ptr=lora.scaling, num_lora_tokens_ptr=_num_lora_tokens(problem, sorting),

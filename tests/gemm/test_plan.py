@@ -16,7 +16,7 @@ import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, prepare_lora, prepare_weights
 from fmoe2.gemm.fused_moe import PLANS, check_fused_moe_args, plan_of
 from fmoe2.gemm.plan import INPUT_SOURCES, source_addresses
-from fmoe2.gemm.fused_moe_kernel import _decode_kernel
+from fmoe2.gemm.fused_moe_kernel import _fused_cast_kernel
 from fmoe2.launch import LaunchSpec, bind_launches, kernel_parameters, set_launch_mode
 from helpers import DEVICE, assert_matches_reference, make_lora, make_problem, make_token_lora_ids, poisoned
 
@@ -411,11 +411,11 @@ def test_a_cached_one_token_plan_launches_the_decode_alone():
     grid_x, grid_y, grid_z, stream, function, packed, metadata, enter, exit_hook, *kernel_args = \
         decode_kernel.launches[0]
     assert (grid_x, grid_y, grid_z) == launch.grid and stream == _stream()
-    by_name = dict(zip([name for name, _ in kernel_parameters(_decode_kernel)], kernel_args))
+    by_name = dict(zip([name for name, _ in kernel_parameters(_fused_cast_kernel)], kernel_args))
     assert by_name["x_ptr"] == new_args[0].data_ptr() and by_name["final_out_ptr"] == out.data_ptr()
     assert by_name["out_ptr"] == accumulator.data_ptr()
     assert by_name["topk_weights_ptr"] == new_args[3].data_ptr() and by_name["topk_ids_ptr"] == new_args[4].data_ptr()
-    assert "sorted_token_ids_ptr" not in by_name and "num_tokens" not in by_name
+    assert by_name["sorted_token_ids_ptr"] is None and by_name["num_tokens"] == 1
 
 
 def test_a_one_token_forward_on_its_cached_decode_stays_within_its_python_call_budget():
