@@ -139,40 +139,8 @@ class MoECall:
         return {n: flat[n] for n in KEYWORDS}
 
     def op_values(self) -> list:
-        """The call in ``torch.ops.fmoe2.fused_moe``'s slot order (:data:`OP_ORDER`, :func:`op_schema`): plain values
-        and tensors, prepared weights and adapters as their tensors and sizes, a config as JSON."""
-        values = self.arguments()
-        w = self.weights
-        sizes = (0, 0)
-        if w.prepared:
-            if any(t is not None for t in (w.w1_bias, w.w2_bias, w.w1_scale, w.w2_scale, w.block_shape)):
-                # (the op's impl would pass them on as the prepared ones)
-                raise ValueError("w1_bias/w2_bias/w1_scale/w2_scale/block_shape go with plain weights; prepared "
-                                 "weights carry theirs (fmoe2.prepare_weights(w1, w2, w1_bias=..., w1_scale=..., ...))")
-            p = w.w1
-            sizes = (p.hidden_size, p.intermediate_size)
-            values.update(w1=p.w13, w2=p.w2, w1_bias=p.b13, w2_bias=p.b2, w1_scale=p.s13, w2_scale=p.s2,
-                          block_shape=p.scale_block)
-        lora = self.adapters.lora
-        if lora is not None:
-            from .lora import prepare_lora
-
-            lora = prepare_lora(lora)
-        config, alpha, limit, block = (values[n] for n in ("config", "swiglu_alpha", "swiglu_limit", "block_shape"))
-        values.update(config=(config.to_json() if config is not None else "", *sizes),
-                      lora=(tuple(getattr(lora, n) for n in _LORA_TENSORS) + (lora.rank,) if lora is not None else
-                            (None,) * len(_LORA_TENSORS) + (0,)),
-                      swiglu_alpha=float(alpha), swiglu_limit=float(limit) if limit is not None else None,
-                      block_shape=list(block) if block is not None else None,
-                      deterministic=bool(values["deterministic"]))
-        flat = []
-        for name in OP_ORDER:
-            slots = LEAVES[name].metadata["op"]
-            if len(slots) == 1:
-                flat.append(values[name])
-            elif slots:
-                flat.extend(values[name])
-        return flat
+        """The call in ``torch.ops.fmoe2.fused_moe``'s slot order (:func:`op_values`)."""
+        return op_values(self.arguments())
 
     @classmethod
     def from_op(cls, values, named=None) -> "MoECall":
@@ -251,3 +219,41 @@ def checked_sources(problem, topk_weights, topk_ids, out, expert_map) -> list:
             value = getattr(value, part) if value is not None else None
         found.append(value)
     return found
+
+
+def op_values(values: Dict[str, Any]) -> list:
+    """The arguments of one call (``{keyword: value}`` in :data:`KEYWORDS` order) in ``torch.ops.fmoe2.fused_moe``'s
+    slot order (:data:`OP_ORDER`, :func:`op_schema`): plain values and tensors, prepared weights and adapters as
+    their tensors and sizes, a config as JSON. A function of the plain values, not of a :class:`MoECall`:
+    ``torch.compile`` traces it (Dynamo builds no frozen dataclass inside a traced function)."""
+    values = dict(values)
+    sizes = (0, 0)
+    p = values["w1"]
+    if isinstance(p, PreparedMoEWeights):
+        if any(values[n] is not None for n in ("w1_bias", "w2_bias", "w1_scale", "w2_scale", "block_shape")):
+            # (the op's impl would pass them on as the prepared ones)
+            raise ValueError("w1_bias/w2_bias/w1_scale/w2_scale/block_shape go with plain weights; prepared "
+                             "weights carry theirs (fmoe2.prepare_weights(w1, w2, w1_bias=..., w1_scale=..., ...))")
+        sizes = (p.hidden_size, p.intermediate_size)
+        values.update(w1=p.w13, w2=p.w2, w1_bias=p.b13, w2_bias=p.b2, w1_scale=p.s13, w2_scale=p.s2,
+                      block_shape=p.scale_block)
+    lora = values["lora"]
+    if lora is not None:
+        from .lora import prepare_lora
+
+        lora = prepare_lora(lora)
+    config, alpha, limit, block = (values[n] for n in ("config", "swiglu_alpha", "swiglu_limit", "block_shape"))
+    values.update(config=(config.to_json() if config is not None else "", *sizes),
+                  lora=(tuple(getattr(lora, n) for n in _LORA_TENSORS) + (lora.rank,) if lora is not None else
+                        (None,) * len(_LORA_TENSORS) + (0,)),
+                  swiglu_alpha=float(alpha), swiglu_limit=float(limit) if limit is not None else None,
+                  block_shape=list(block) if block is not None else None,
+                  deterministic=bool(values["deterministic"]))
+    flat = []
+    for name in OP_ORDER:
+        slots = LEAVES[name].metadata["op"]
+        if len(slots) == 1:
+            flat.append(values[name])
+        elif slots:
+            flat.extend(values[name])
+    return flat

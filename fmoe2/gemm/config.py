@@ -163,8 +163,9 @@ class FusedMoEConfig:
 
 
 def device_config_name(device: Optional[torch.device] = None) -> str:
-    """File-system-safe GPU name, e.g. ``NVIDIA_H100_80GB_HBM3``; ``cpu`` without a GPU."""
-    if device is not None and torch.device(device).type == "cpu" or not torch.cuda.is_available():
+    """File-system-safe GPU name, e.g. ``NVIDIA_H100_80GB_HBM3``; ``cpu`` without a GPU or for a tensor that is
+    not on one (CPU, meta)."""
+    if device is not None and torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "cpu"
     return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
 

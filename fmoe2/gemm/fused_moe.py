@@ -27,7 +27,7 @@ from .config import PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_con
 from .launches import MoEProblem
 from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
-from .call import MoECall, MoEWeights
+from .call import KEYWORDS, MoECall, MoEWeights
 from .plan import OUT_SOURCE, MoEPlan, build_plan
 
 PLANS = PlanCache()
@@ -137,34 +137,34 @@ def fused_moe(
         deterministic = deterministic_enabled()
         if deterministic and path == "fused":
             deterministic = fused_path_under_the_switch()
-    if tracing():
-        call = plan = None
-    else:
-        call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
-                        lora, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit,
-                        w1_scale, w2_scale, block_shape, deterministic)
-        plan = PLANS.get(call[0]) if call is not None else None
-        if (plan is not None and plan.launches is not None and direct_launches()
-                and not (plan.decode_pending and one_launch_allowed())):
-            sources = call[1]
-            if out is None:
-                out = torch.empty_like(hidden_states)  # contiguous, as the key says hidden_states is
-                sources[OUT_SOURCE] = out.data_ptr()
-            else:
-                plan.check_out_overlap(sources)
-            alone = plan.alone
-            if alone is not None and not one_launch_allowed():
-                alone = None
-            run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device, alone)
-            return out
-    # Not cached (or not bindable, or traced): from here on the call is one description (call.py).
+    if tracing():  # the registered op, its arguments packed as plain values (Dynamo builds no MoECall)
+        from .op_call import fused_moe_op_call
+
+        return fused_moe_op_call(dict(zip(KEYWORDS, (
+            hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path, lora,
+            token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit, w1_scale, w2_scale,
+            block_shape, deterministic))))
+    call = call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
+                    lora, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit,
+                    w1_scale, w2_scale, block_shape, deterministic)
+    plan = PLANS.get(call[0]) if call is not None else None
+    if (plan is not None and plan.launches is not None and direct_launches()
+            and not (plan.decode_pending and one_launch_allowed())):
+        sources = call[1]
+        if out is None:
+            out = torch.empty_like(hidden_states)  # contiguous, as the key says hidden_states is
+            sources[OUT_SOURCE] = out.data_ptr()
+        else:
+            plan.check_out_overlap(sources)
+        alone = plan.alone
+        if alone is not None and not one_launch_allowed():
+            alone = None
+        run_bound(plan.launches, sources, plan.scratch_bytes, plan.scratch_offsets, plan.device, alone)
+        return out
+    # Not cached (or not bindable): from here on the call is one description (call.py).
     described = MoECall.bind(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, expert_map, config, path,
                              lora, token_lora_ids, w1_bias, w2_bias, gate_up_interleaved, swiglu_alpha, swiglu_limit,
                              w1_scale, w2_scale, block_shape, deterministic)
-    if call is None and tracing():
-        from .op_call import fused_moe_op_call
-
-        return fused_moe_op_call(described)
     return run_checked(described, call[0] if call is not None else None, plan)
 
 

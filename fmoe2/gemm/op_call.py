@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from .call import MoECall
+from .call import op_values
 
 
-def fused_moe_op_call(call: MoECall) -> torch.Tensor:
-    """``call`` (``deterministic`` resolved already) passed to ``torch.ops.fmoe2.fused_moe`` (what
-    ``fmoe2.fused_moe`` runs while ``torch.compile`` traces it); ``out`` is then filled by a copy."""
-    result = torch.ops.fmoe2.fused_moe(*call.op_values())
-    out = call.options.out
+def fused_moe_op_call(values: dict) -> torch.Tensor:
+    """One call's arguments (``{keyword: value}``, ``deterministic`` resolved already) passed to
+    ``torch.ops.fmoe2.fused_moe`` (what ``fmoe2.fused_moe`` runs while ``torch.compile`` traces it); ``out`` is then
+    filled by a copy."""
+    result = torch.ops.fmoe2.fused_moe(*op_values(values))
+    out = values["out"]
     if out is None:
         return result
     out.copy_(result)

@@ -49,7 +49,7 @@ def test_bind_and_arguments_round_trip():
 @pytest.mark.parametrize("prepared", [False, True])
 def test_the_op_packing_round_trips(prepared):
     x, w1, w2, tw, ti = make_problem(5, 4, 32, 16, 2, torch.float16)
-    b1, b2 = torch.randn(4, 32, dtype=torch.float16), torch.randn(4, 32, dtype=torch.float16)
+    b1, b2 = (torch.randn(4, 32, dtype=torch.float16, device=x.device) for _ in range(2))
     lora = prepare_lora(make_lora(2, 4, 32, 16, 8, torch.float16))
     ids = make_token_lora_ids(5, 2)
     weights = (dict(w1=prepare_weights(w1, w2, w1_bias=b1, w2_bias=b2), w2=None) if prepared else
