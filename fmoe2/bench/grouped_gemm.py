@@ -8,7 +8,7 @@ they live here, in an entry kernel built from the K loops and epilogues of fmoe2
 import triton
 import triton.language as tl
 
-from ..gemm.fp8_weights import _tile_gemm_fp8
+from ..gemm.fp8_weights import _tile_gemm_fp8, scale_strides
 from ..gemm.grouped_gemm_kernel import _add_bias, _stage2_program, _tile_gemm_16bit, _write_rows
 from ..sorting import max_busy_tiles
 
@@ -66,7 +66,7 @@ def gathered_gemm(a, b, c, sorting, topk_weights, num_entries: int, a_row_diviso
     bs_strides = [None] * 3
     fp8 = {}
     if b_scale is not None:
-        bs_strides = [st if size > 1 else 0 for size, st in zip(b_scale.shape, b_scale.stride())]
+        bs_strides = list(scale_strides(b_scale))
         fp8 = dict(SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1])
     _gathered_gemm_kernel[(num_grid_tiles * triton.cdiv(N, block_n),)](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights, bias,

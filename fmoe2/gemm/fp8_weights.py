@@ -294,7 +294,7 @@ ENTRIES = {"fused": _fused_fp8_kernel, "fused_cast": _fused_fp8_kernel, "stage1"
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _scale_strides(scale: torch.Tensor) -> Tuple[int, int, int]:
+def scale_strides(scale: torch.Tensor) -> Tuple[int, int, int]:
     """Strides of an ``[E, Sn, Sk]`` scale view as the kernels read it: 0 along a dimension of size 1."""
     return tuple(st if size > 1 else 0 for size, st in zip(scale.shape, scale.stride()))
 
@@ -314,7 +314,7 @@ def fused_values(problem, target: Target, quantized_x: Optional[Tuple[torch.Tens
                   x_q_ptr=x_q, x_scale_ptr=x_scale, stride_xq_m=x_q.stride(0), stride_xs_m=x_scale.stride(0),
                   DTYPE=_TL_DTYPES[problem.x.dtype])
     for name, scale in (("s1", problem.w1_scale), ("s2", problem.w2_scale)):
-        values.update({f"stride_{name}_{d}": st for d, st in zip("enk", _scale_strides(scale))})
+        values.update({f"stride_{name}_{d}": st for d, st in zip("enk", scale_strides(scale))})
     return values
 
 
@@ -322,9 +322,9 @@ def stage2_values(problem, target: Target, workspace) -> dict:
     """The values stage 2's entry takes beyond the 16-bit path's: w2's scales, and y's where stage 1 stored y in
     fp8 (else stage 2 quantizes y per row and K step, S2_BLOCK_K being one group of FP8_GROUP)."""
     y_scale = workspace.y_scale
-    s_e, s_n, s_k = _scale_strides(problem.w2_scale)
+    s_e, s_n, s_k = scale_strides(problem.w2_scale)
     return dict(_constants(problem, target), b_scale_ptr=problem.w2_scale, stride_bs_e=s_e, stride_bs_n=s_n,
                 stride_bs_k=s_k, a_scale_ptr=y_scale, stride_as_m=y_scale.stride(0) if y_scale is not None else None)
 
 
-__all__ = ["ENTRIES", "FP8_GROUP", "fused_values", "stage2_values"]
+__all__ = ["ENTRIES", "FP8_GROUP", "fused_values", "scale_strides", "stage2_values"]
