@@ -103,3 +103,20 @@ def _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_add
     _cast_finished_rows(out_ptr + token[:, None] * stride_out_m, final_out_ptr + token[:, None] * stride_final_m,
                         token, add_counts, row_valid, expected_adds, H, stride_out_m, stride_final_m, out_ptr,
                         final_out_ptr, BLOCK_M, BLOCK_H, RESET)
+
+
+@triton.jit
+def _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
+                          num_global_experts, stride_final_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_H: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+    """Whether this program is one of those after the ``num_grid_tiles * cdiv(I, BLOCK_N)`` GEMM programs of a
+    kernel that casts its accumulator; each of them zeroes the output rows of its BLOCK_M tokens that route nowhere
+    (:func:`_zero_unrouted_rows`), and the caller returns."""
+    pid = tl.program_id(0)
+    num_gemm_programs = num_grid_tiles * tl.cdiv(I, BLOCK_N)
+    zeroing = pid >= num_gemm_programs
+    if zeroing:
+        _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
+                            (pid - num_gemm_programs).to(tl.int64) * BLOCK_M, num_tokens, num_global_experts, H,
+                            stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
+    return zeroing

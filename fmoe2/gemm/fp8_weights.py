@@ -28,7 +28,7 @@ import triton.language as tl
 from ..fp8 import FP8_GROUP, _quantize_rows, fp8_constexprs
 from ..grid_dependency import dependent_launch_prologue
 from ..target import Target
-from .epilogues import _cast_rows_last_added, _store_y
+from .epilogues import _cast_rows_last_added, _store_y, _zeroes_unrouted_rows
 from .fused_moe_kernel import _activated, _expected_adds, _fused_program
 from .grouped_gemm_kernel import _add_bias, _stage2_program, _write_rows
 from .tiles import _slice_columns
@@ -188,10 +188,13 @@ def _fused_fp8_kernel(
 ):
     """The fused path with fp8 weights (``operands.py``); BLOCK_K and BLOCK_N are one activation group."""
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(final_out_ptr, topk_ids_ptr, None,
+    if final_out_ptr is not None:  # (programs after the GEMM programs)
+        if _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
+                                 num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, TOPK, NUM_EXPERTS):
+            return
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr, None,
         expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, GROUP_M,
-        TOPK, NUM_EXPERTS, 1)
+        num_tokens, I, num_grid_tiles, num_global_experts, BLOCK_M, BLOCK_N, GROUP_M, TOPK, NUM_EXPERTS, 1)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
@@ -232,9 +235,9 @@ def _stage1_fp8_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
-        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
+        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,

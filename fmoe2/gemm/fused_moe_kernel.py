@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..grid_dependency import dependent_launch_prologue
 from .activations import _activate
-from .epilogues import _cast_rows_last_added, _store_y, _zero_unrouted_rows
+from .epilogues import _cast_rows_last_added, _store_y, _zeroes_unrouted_rows
 from .fused_lora import _lora_down, _lora_gate_up, _lora_tile, _store_down_shrinks
 from .operands import _add_gate_up_bias, _down_16bit, _gate_up_16bit
 from .tiles import (_grouped_program, _kept_slots, _slice_columns, _slot_expert, _slot_rows, _sorted_rows,
@@ -113,35 +113,28 @@ def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expe
 
 
 @triton.jit
-def _fused_program(final_out_ptr, topk_ids_ptr, topk_weights_ptr, expert_map_ptr, sorted_token_ids_ptr,
-                   sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles,
-                   num_global_experts, stride_final_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                   IDS_PER_TOKEN: tl.constexpr):
-    """``(expert, slice_id, offs_m, token, row_valid, route_weight)`` of this program (``tiles.py``); expert -1:
-    nothing (more) to do. Tiles are the sort's, or, without ``sorted_token_ids_ptr`` (the one-launch decode), the
-    token's top-k slots. Where the kernel casts its accumulator (``final_out_ptr`` given) the programs after the
-    GEMM programs zero the output rows of tokens routed nowhere instead. The rows are loaded with the expert
-    (stale for a tile past the sorted ones, never used)."""
-    pid = tl.program_id(0)
-    num_slices = tl.cdiv(I, BLOCK_N)
-    if final_out_ptr is not None:
-        is_zeroing = pid >= num_grid_tiles * num_slices
-        if is_zeroing:
-            _zero_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr,
-                                (pid - num_grid_tiles * num_slices).to(tl.int64) * BLOCK_M, num_tokens,
-                                num_global_experts, H, stride_final_m, BLOCK_M, BLOCK_H, TOPK, NUM_EXPERTS)
-        pid = tl.where(is_zeroing, 0, pid)
-    tile, slice_id = _grouped_program(pid, num_grid_tiles, num_slices, GROUP_M)
+def _fused_program(pid, topk_ids_ptr, topk_weights_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr,
+                   sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I, num_grid_tiles, num_global_experts,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, TOPK: tl.constexpr,
+                   NUM_EXPERTS: tl.constexpr, IDS_PER_TOKEN: tl.constexpr):
+    """``(expert, slice_id, offs_m, token, row_valid, route_weight)`` of GEMM program ``pid`` (``tiles.py``); expert
+    -1: nothing to do (its rows are then not loaded). Tiles are the sort's, or, without ``sorted_token_ids_ptr``
+    (the one-launch decode), the token's top-k slots."""
+    tile, slice_id = _grouped_program(pid, num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
     if sorted_token_ids_ptr is None:  # a dropped slot gets expert -1: no adds, and _kept_slots does not count it
         expert = _slot_expert(tile, topk_ids_ptr, expert_map_ptr, num_global_experts, TOPK, NUM_EXPERTS)
-        offs_m, token, row_valid, route_weight = _slot_rows(tile, topk_weights_ptr, BLOCK_M)
     else:
         expert = _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr)
-        offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr,
-                                                              num_tokens, BLOCK_M, IDS_PER_TOKEN)
-    if final_out_ptr is not None:
-        expert = tl.where(is_zeroing, -1, expert)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = tl.zeros([BLOCK_M], dtype=tl.int64)
+    row_valid = offs_m < 0
+    route_weight = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if expert >= 0:
+        if sorted_token_ids_ptr is None:
+            offs_m, token, row_valid, route_weight = _slot_rows(tile, topk_weights_ptr, BLOCK_M)
+        else:
+            offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr,
+                                                                  num_tokens, BLOCK_M, IDS_PER_TOKEN)
     return expert, slice_id, offs_m, token, row_valid, route_weight
 
 
@@ -178,9 +171,9 @@ def _fused_kernel(
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's results
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
-        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, BLOCK_H, GROUP_M, 1, 1, 1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
+        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, 1)
     if expert >= 0:
         _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
                           out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid, route_weight,
@@ -225,10 +218,13 @@ def _fused_cast_kernel(
     t: slot t, expert and weight read from topk_ids and topk_weights); the decode's accumulator is a kept one, which
     the last adder leaves zeroed with its counter."""
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(final_out_ptr, topk_ids_ptr,
+    if _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
+                             num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, TOPK, NUM_EXPERTS):
+        return  # (programs after the GEMM programs)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr,
         topk_weights_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr, num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M,
-        BLOCK_N, BLOCK_H, GROUP_M, TOPK, NUM_EXPERTS, 1)
+        num_sorted_tiles_ptr, num_tokens, I, num_grid_tiles, num_global_experts, BLOCK_M, BLOCK_N, GROUP_M, TOPK,
+        NUM_EXPERTS, 1)
     if expert >= 0:
         expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid,
                                        num_global_experts, I, BLOCK_N, TOPK, NUM_EXPERTS)
@@ -278,15 +274,17 @@ def _fused_lora_kernel(
     # Loaded with the tile's expert id: a batch without adapters then goes to the plain loops without waiting
     # for its rows' adapter ids.
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(final_out_ptr, topk_ids_ptr, None,
+    if final_out_ptr is not None:  # (programs after the GEMM programs)
+        if _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
+                                 num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, TOPK, NUM_EXPERTS):
+            return
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr, None,
         expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, H, I, num_grid_tiles, num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, GROUP_M,
-        TOPK, NUM_EXPERTS, 1)
+        num_tokens, I, num_grid_tiles, num_global_experts, BLOCK_M, BLOCK_N, GROUP_M, TOPK, NUM_EXPERTS, 1)
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
         x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
-    a2_expert = lora_a2_ptr + expert * stride_la2_e
     row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
         token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
         (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
@@ -299,7 +297,7 @@ def _fused_lora_kernel(
         gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
                                       offs_r, r_valid, I, H, w13_desc, w13_row0, lora_a13_ptr + expert * stride_la13_e,
                                       stride_la13_l, stride_la13_r, lora_b13_ptr + expert * stride_lb13_e,
-                                      stride_lb13_l, stride_lb13_r, a2_expert, stride_la2_l, stride_la2_r, row_slot,
+                                      stride_lb13_l, stride_lb13_r, lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r, row_slot,
                                       present, slot_of, num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_K,
                                       GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
@@ -317,7 +315,7 @@ def _fused_lora_kernel(
             b2_expert = w2_bias_ptr + expert * stride_b2_e
         _lora_down(y, la2, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n,
                    n_valid, H, w2_desc, (expert * (stride_w2_e // stride_w2_h)).to(tl.int32), slice_id * BLOCK_N,
-                   b2_expert, tl.where(slice_id == 0, route_weight, 0.0), a2_expert, stride_la2_l, stride_la2_r,
+                   b2_expert, tl.where(slice_id == 0, route_weight, 0.0), lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
                    lora_b2_ptr + expert * stride_lb2_e, stride_lb2_l, stride_lb2_r, row_slot, present, slot_of,
                    num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_H, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES)
     if final_out_ptr is not None:
@@ -344,9 +342,9 @@ def _stage1_kernel(
     IDS_PER_TOKEN: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
-        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
+        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
@@ -382,9 +380,9 @@ def _stage1_lora_kernel(
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     dependent_launch_prologue(PDL)
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(None, None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, H, I,
-        num_grid_tiles, None, None, BLOCK_M, BLOCK_N, 1, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
+        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
+        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(

@@ -107,9 +107,12 @@ def _stage2_program(sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_va
     tile, n_block, k_first, k_end = _k_share_program(tl.program_id(0), num_grid_tiles, N, K, BLOCK_N, BLOCK_K, GROUP_M,
                                                      SPLIT_K)
     expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
-    offs_m, row_id, row_valid, offs_n, n_valid = _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M,
-                                                              BLOCK_N)
-    return expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_id = tl.zeros([BLOCK_M], dtype=tl.int64)
+    if expert >= 0:  # (a program with nothing to do loads no rows)
+        row_id = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, tile, n_block, k_first, k_end, offs_m, row_id, row_id < num_valid_ids, offs_n, offs_n < N
 
 
 @triton.jit

@@ -30,11 +30,10 @@ def _grouped_program(pid, num_grid_tiles, num_blocks, GROUP_M: tl.constexpr):
 def _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr):
     """The expert (int64) of sorted ``tile``; -1 where the program has nothing to do: the tile is past the
     sorted tiles (the grid is sized for the worst routing) or a gap tile of the sorted layout."""
-    if tile >= tl.load(num_sorted_tiles_ptr):
-        expert = tl.full([], -1, tl.int64)
-    else:
-        expert = tl.load(sorted_expert_ids_ptr + tile).to(tl.int64)
-    return expert
+    # A masked load, not a branch that yields the expert: the branch made gfx942's fp8 fused kernel take 252 VGPRs
+    # instead of 152 (Triton 3.6, Qwen3 M=1), and fewer matrix instructions.
+    in_use = tile < tl.load(num_sorted_tiles_ptr)
+    return tl.load(sorted_expert_ids_ptr + tile, mask=in_use, other=-1).to(tl.int64)
 
 
 @triton.jit
