@@ -19,8 +19,17 @@ MORE_SHAPES = {
     "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4),
     "olmoe-1b-7b": (64, 2048, 1024, 8),
     "llama-4-scout": (16, 5120, 8192, 1),
+    "mixtral-8x22b": (8, 6144, 16384, 2),
+    "glm-4.5-air": (128, 4096, 1408, 8),
+    # Tensor-parallel slices: each of TP GPUs holds I / TP columns of every expert.
+    **{f"qwen3-235b-a22b-tp{tp}": (128, 4096, 1536 // tp, 8) for tp in (2, 4, 8)},
+    "deepseek-v3-tp8": (256, 7168, 2048 // 8, 8),
 }
 ALL_SHAPES = {**SHAPES, **MORE_SHAPES}
+# The models people serve, whose tuned files fmoe2 ships (``python -m fmoe2.tune --shape served``), and on which
+# ``python -m fmoe2.bench.defaults`` measures the default rules (issue 46's list).
+SERVED_SHAPES = ("gpt-oss-20b", "gpt-oss-120b", "qwen3-235b-a22b", "qwen3-235b-a22b-tp2", "qwen3-235b-a22b-tp4",
+                 "qwen3-235b-a22b-tp8", "deepseek-v3", "deepseek-v3-tp8", "mixtral-8x22b", "glm-4.5-air")
 # biases: gate/up and down biases; the rest are fused_moe keyword arguments.
 SHAPE_OPTIONS = {
     "gpt-oss-20b": dict(activation="swiglu_oai", swiglu_limit=7.0, biases=True),

@@ -37,6 +37,36 @@ class GroupedGemmConfig:
     num_stages: int = 3
 
 
+def vllm_default_config(M: int, E: int, fp8_block: bool = False, hip: bool = False) -> GroupedGemmConfig:
+    """The config vLLM's Triton MoE path runs for a shape it has no tuned file for (its ``get_default_config``
+    since vLLM PR #34846, read for facts, not copied): the tile height grows with the batch ``M`` alone; both GEMMs
+    take the same config. ROCm runs 2 pipeline stages.
+
+    * 16-bit weights: ``M <= 32``: 16 x 64 x 128 tiles, 4 warps, 4 stages; ``<= 64``: 32 x 64 x 128, 3 stages;
+      ``<= 96``: 32 x 128 x 64; ``<= 128``: 64 x 128 x 64; ``<= 512``: the same with 8 warps; above: 128 x 128 x
+      64, 8 warps. Groups of 16 tiles once ``M // E > 128``, else 1.
+    * fp8 weights in 128 x 128 blocks: 16-row tiles up to ``M = 64``, 64 above; 128 x 128 (the scale block), 4 warps,
+      3 stages; groups of 1 up to ``M = 16``, 32 above.
+    """
+    if fp8_block:
+        return GroupedGemmConfig(BLOCK_M=16 if M <= 64 else 64, BLOCK_N=128, BLOCK_K=128, GROUP_M=1 if M <= 16 else 32,
+                                 num_warps=4, num_stages=2 if hip else 3)
+    if M <= 32:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif M <= 64:
+        bm, bn, bk, warps, stages = 32, 64, 128, 4, 3
+    elif M <= 96:
+        bm, bn, bk, warps, stages = 32, 128, 64, 4, 3
+    elif M <= 128:
+        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
+    elif M <= 512:
+        bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    return GroupedGemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=16 if M // max(E, 1) > 128 else 1,
+                             num_warps=warps, num_stages=2 if hip else stages)
+
+
 @triton.jit
 def _gated_activation_kernel(
     gate_up_ptr,  # [R, 2I]: gate columns then up columns
