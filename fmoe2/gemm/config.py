@@ -66,6 +66,10 @@ LORA_MIN_BLOCK_N = 128
 LORA_STACK_WIDTH = 128  # max stacked gate+up shrink columns (LORA_SLOTS * 2 * padded rank), see lora_constexprs
 
 
+# Keys of a default rule (configs/defaults.json) that say when it applies, not how it tiles.
+RULE_KEYS = ("max_tokens_per_expert", "min_fused_programs_per_sm")
+
+
 @dataclass(frozen=True)
 class FusedMoEConfig:
     """Tiling of the fused kernel (and BLOCK_M of the sort)."""
@@ -156,7 +160,7 @@ class FusedMoEConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "FusedMoEConfig":
         known = {f.name for f in fields(cls)}
-        unknown = set(d) - known - {"max_tokens_per_expert"}
+        unknown = set(d) - known - set(RULE_KEYS)
         if unknown:
             raise ValueError(f"unknown config keys {sorted(unknown)}; expected {sorted(known)}")
         return cls(**{k: v for k, v in d.items() if k in known})
@@ -600,10 +604,29 @@ def _plain_pick(problem: ConfigProblem, target: Target, path: str, tuned_for: Op
     if cfg is None:
         rules = BACKENDS[target.backend].default_rules(_defaults(config_dir), target)
         tokens_per_expert = problem.M * problem.topk / problem.E
-        cfg = FusedMoEConfig.from_dict(next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]),
-                                            rules[-1]))
+        rule = next((r for r in rules if tokens_per_expert <= r["max_tokens_per_expert"]), rules[-1])
+        cfg = FusedMoEConfig.from_dict(rule)
+        if path == "auto" and cfg.path == "fused" and _fused_grid_too_small(rule, cfg, problem, target):
+            path = "two_stage"
     return fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, path, target.backend,
                       shared_memory=target.shared_memory)
+
+
+def _fused_grid_too_small(rule: dict, cfg: FusedMoEConfig, problem: ConfigProblem, target: Target) -> bool:
+    """Whether a default rule's fused tiling, fitted, would run fewer programs than its
+    ``min_fused_programs_per_sm`` times the multiprocessors (the most tiles any routing fills, ``max_busy_tiles``,
+    times the I slices): then the two-stage path, whose stage 2 spreads the down GEMM over H, is taken. Measured
+    on the H100 at M=1 (misc/bench/defaults): Qwen3-235B-A22B's TP8 slice (I=192, 24 fused programs) 25.8 us
+    two-stage against 36.8 fused, DeepSeek-V3's TP8 slice (I=256, 32) 46.6 against 59.5, the TP4 slice (I=384, 48)
+    37.6 against 41.2; the TP2 slice (I=768, 96 programs) 59.4 fused against 60.9."""
+    per_sm = rule.get("min_fused_programs_per_sm")
+    if per_sm is None:
+        return False
+    fused = fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, "fused", target.backend,
+                       shared_memory=target.shared_memory)
+    programs = max_busy_tiles(problem.M * problem.topk, problem.E, fused.BLOCK_M) * triton.cdiv(problem.I,
+                                                                                               fused.BLOCK_N)
+    return programs < per_sm * target.num_sms
 
 
 def _deterministic_pick(problem: ConfigProblem, mode: ConfigMode, target: Target, tuned_for: Optional[str],

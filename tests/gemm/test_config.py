@@ -392,3 +392,35 @@ def test_codegen_knows_the_multiprocessors_of_every_target():
 
     assert set(TARGET_MULTIPROCESSORS) == set(TARGETS)
     assert set(TARGET_SHARED_MEMORY) == set(TARGETS)  # the LoRA fit's shared memory per target
+
+
+def test_default_rules_of_the_served_shapes_sweep():
+    # configs/defaults.json after the H100 sweep of 13 shapes (misc/bench/defaults, 2026-11-28).
+    from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
+    from fmoe2.shapes import ALL_SHAPES
+    from fmoe2.target import NAMED_TARGETS
+
+    def pick(name, M, target="sm_90", fp8=False, config=None):
+        return resolve_config(ConfigProblem(M, *ALL_SHAPES[name], torch.bfloat16), ConfigMode(fp8=fp8),
+                              NAMED_TARGETS[target], config)
+
+    # A fused grid of fewer than 0.4 programs per multiprocessor takes the two-stage path: Qwen3-235B's TP4 and TP8
+    # slices and DeepSeek-V3's TP8 slice at M=1 (48, 24 and 32 programs on 132 multiprocessors); the TP2 slice (96)
+    # and the whole models stay fused, as does Llama-4-Scout (64).
+    for name in ("qwen3-235b-a22b-tp4", "qwen3-235b-a22b-tp8", "deepseek-v3-tp8"):
+        assert pick(name, 1).path == "two_stage", name
+    for name in ("qwen3-235b-a22b-tp2", "qwen3-235b-a22b", "deepseek-v3", "qwen3-30b-a3b", "llama-4-scout"):
+        assert pick(name, 1).path == "fused", name
+    # A caller's fused config is run as given, however small its grid.
+    given = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, BLOCK_H=128)
+    assert pick("qwen3-235b-a22b-tp8", 1, config=given).path == "fused"
+    # 16 rows per expert overflow 16-row tiles: gpt-oss-20b M=128 takes the 64-row two-stage rule; 8 rows stay fused.
+    assert (pick("gpt-oss-20b", 128).BLOCK_M, pick("gpt-oss-20b", 128).path) == (64, "two_stage")
+    assert pick("qwen3-30b-a3b", 128).path == "fused"
+    # The two-stage rules take tensor descriptors and PDL on CUDA; HIP's rules are unchanged.
+    for M in (1024, 4096):
+        cfg = pick("glm-4.5-air", M)
+        assert cfg.path == "two_stage" and cfg.tma and cfg.pdl, cfg
+        assert not pick("glm-4.5-air", M, "gfx942").tma
+    # fp8 weights keep pointer loads (fit_fp8_config).
+    assert not pick("deepseek-v3", 4096, fp8=True).tma
