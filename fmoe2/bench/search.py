@@ -72,6 +72,7 @@ DECODE_TWO_STAGE = {
 # 4 stages at 64 columns lost everywhere (542.8, 706.6, 1178.2 at those three points); 5 stages at
 # 128 columns do not fit shared memory. Stage 2 had no config off the grid faster by more than 1%.
 STAGE1_LARGE = ((64, 3), (128, 3), (128, 4))
+DECODE_TALL_TILES_FROM = 4  # rows per expert above which decode-sized batches also try the taller two-stage tiles
 
 
 def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
@@ -102,9 +103,13 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
                                num_stages=stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=bk,
                                S2_GROUP_M=1, s2_num_warps=s2_warps, s2_num_stages=s2_stages, S2_SPLIT_K=split,
                                **hip_opts))
-    else:
-        for bm, (bn, stages), s2_bn, s2_stages in itertools.product(block_m_candidates(M, E, topk), STAGE1_LARGE,
-                                                                    (128, 256), (3, 4)):
+    tokens_per_expert = M * topk / E
+    if _regime(M, E, topk) != "decode" or tokens_per_expert > DECODE_TALL_TILES_FROM:
+        # At 5-16 rows per expert a busy expert overflows a 16-row tile and its weights are read again: taller tiles
+        # on the two-stage path too (H100, 2026-11-28, misc/bench/defaults: gpt-oss-20b M=128, 16 rows per expert,
+        # 64-row two-stage 586 us against 650 for the 16-row fused pick).
+        bms = block_m_candidates(M, E, topk) if _regime(M, E, topk) != "decode" else (32, 64)
+        for bm, (bn, stages), s2_bn, s2_stages in itertools.product(bms, STAGE1_LARGE, (128, 256), (3, 4)):
             add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, BLOCK_H=128, GROUP_M=8, num_warps=8,
                                num_stages=2 if hip else stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=64,
                                S2_GROUP_M=8, s2_num_warps=8, s2_num_stages=2 if hip else s2_stages, **hip_opts))
