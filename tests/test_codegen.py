@@ -112,9 +112,15 @@ def test_sm90_tma_configs_load_weights_through_the_copy_engine():
             rep = r[key]
             assert rep["tensor_copy_instructions"], (key, rep)
             assert no_spills(rep) and rep["shared_memory_bytes"] <= SM90_SHARED_MEMORY, (key, rep)
-    plain = codegen("sm_90", "qwen3-30b-a3b", "4096")
-    assert not plain[("moe_stage2", 4096)]["tensor_copy_instructions"]  # off unless asked for
-    assert all(not rep["grid_dependency_control"] for rep in plain.values())
+    # The default rules (no tuned file, configs/defaults.json since 2026-11-28): the fused rule of M=1 keeps pointer
+    # loads and plain launches; the two-stage rules take tensor descriptors and PDL.
+    plain = codegen("sm_90", "qwen3-30b-a3b", "1,4096")
+    assert not plain[("fused_moe", 1)]["tensor_copy_instructions"]
+    assert not plain[("fused_moe", 1)]["grid_dependency_control"]
+    for key in (("fused_moe_stage1", 4096), ("moe_stage2", 4096)):
+        rep = plain[key]
+        assert rep["tensor_copy_instructions"] and "griddepcontrol.wait" in rep["grid_dependency_control"], (key, rep)
+        assert no_spills(rep) and rep["shared_memory_bytes"] <= SM90_SHARED_MEMORY, (key, rep)
 
 
 def test_sm90_pdl_configs_wait_for_the_previous_launch():
