@@ -8,6 +8,8 @@ config), which :func:`fmoe2.get_config` then picks by nearest batch size. Runs u
 It first says how many points and candidate configs it will time and roughly how long that takes, then after
 each point what it picked and how long is left. Each point's entry is written as soon as it is found, and a rerun
 skips the entries its files already hold: an interrupted run resumes where it stopped (``--overwrite`` retunes).
+``--compile-workers N`` first runs each shape's candidates once in up to N processes side by side (as many as the GPU
+memory holds, each with the shape's weights), so their kernels are in the Triton cache when the search times them.
 ``--deterministic`` tunes deterministic mode instead (``fused_moe(..., deterministic=True)``: two-stage
 configs without K shares) into the file's ``"deterministic"`` entry, which it reads on GPUs whose tilings
 were measured alike (``fmoe2.gemm.config.resolve_config``). ``--dtype fp8`` tunes fp8 weights (block scales, bf16
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -59,7 +62,11 @@ def _by_batch(entries: dict) -> dict:
     return dict(sorted(entries.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
 
 
-SECONDS_PER_CANDIDATE = 2.5  # first guess of one candidate's compile and timing (H100/H200), refined as it goes
+# First guesses of one candidate's compile and timing, refined as the run goes: compiled in the timed process, and with
+# --compile-workers 8 (H200, 2026-11-28: qwen3-235b-a22b-tp8 M=128, 66 candidates compiled in 8 processes in 16 s,
+# searched in 22 s more).
+SECONDS_PER_CANDIDATE = 2.5
+SECONDS_PER_PRECOMPILED_CANDIDATE = 0.6
 
 
 def tune_points(shapes: List[str], ms: List[int], a) -> List[Tuple[str, int]]:
@@ -113,7 +120,7 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
     E, H, I, topk = _shape(name)
     x, tw, ti = make_inputs(M, E, H, I, topk, gen)
     x, out = x.to(dtype), torch.empty(M, H, device="cuda", dtype=dtype)
-    candidates = deterministic_candidates(M, E, H, I, topk, dtype) if a.deterministic else None
+    candidates = base_candidates(name, M, a) if a.deterministic else None
     if a.dtype == "fp8":
         def fitted(cfg, x=x, tw=tw, ti=ti):
             fmoe2.fused_moe(x, prepared, None, tw, ti, config=cfg)  # (raises for a candidate that cannot run)
@@ -127,6 +134,54 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
     if a.dtype == "fp8":
         best = fitted(best)  # (a tensor-descriptor twin runs with pointer loads: stored as it ran)
     return best.to_dict(), us, len(results)
+
+
+def base_candidates(name: str, M: int, a) -> list:
+    """The configs a point's search starts from (before fp8's fitting and the tensor-descriptor and PDL twins)."""
+    E, H, I, topk = _shape(name)
+    if a.deterministic:
+        return deterministic_candidates(M, E, H, I, topk, DTYPES[a.dtype])
+    return fmoe2_candidates(M, E, H, I, topk, torch.bfloat16 if a.dtype == "fp8" else DTYPES[a.dtype])
+
+
+def compile_workers(requested: int, free_bytes: int, weight_bytes: int) -> int:
+    """How many compiling processes fit beside each other: each holds the shape's prepared weights and about 1 GiB
+    of context and buffers, within 80% of the GPU memory free now; at most ``requested``, at least 1."""
+    return max(1, min(requested, int(0.8 * free_bytes // (weight_bytes + (1 << 30)))))
+
+
+def compile_candidates(name: str, ms: List[int], a, index: int, count: int) -> None:
+    """Runs the share ``index`` of ``count`` of each point's candidates once (``--compile-share``): their kernels land
+    in the Triton cache, which the timed search then reads. A candidate that fails here is left to the search."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prepared = prepared_weights(name, a, gen)
+    E, H, I, topk = _shape(name)
+    dtype = DTYPES[a.dtype]
+    for M in ms:
+        x, tw, ti = make_inputs(M, E, H, I, topk, gen)
+        x, out = x.to(dtype), torch.empty(M, H, device="cuda", dtype=dtype)
+        for cfg in base_candidates(name, M, a)[index::count]:
+            try:
+                fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, deterministic=a.deterministic)
+            except Exception:  # noqa: BLE001 - the timed search skips (and reports) it too
+                pass
+    torch.cuda.synchronize()
+
+
+def compile_in_parallel(name: str, ms: List[int], a, argv: List[str]) -> None:
+    """Compiles shape ``name``'s candidates at ``ms`` in up to ``--compile-workers`` processes at once."""
+    E, H, I, topk = _shape(name)
+    weight_bytes = E * 3 * H * I * (1 if a.dtype == "fp8" else DTYPES[a.dtype].itemsize)
+    count = compile_workers(a.compile_workers, torch.cuda.mem_get_info()[0], weight_bytes)
+    t0 = time.time()
+    base = [sys.executable, "-m", "fmoe2.tune", *argv, "--shape", name, "--m", ",".join(map(str, ms))]
+    procs = [subprocess.Popen(base + ["--compile-share", f"{i}/{count}"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for i in range(count)]
+    for proc in procs:
+        _, err = proc.communicate()
+        if proc.returncode != 0:  # the timed search compiles what this one did not
+            print(f"  a compiling process failed: {err[-1500:]}", file=sys.stderr, flush=True)
+    print(f"{name}: candidates compiled in {count} processes in {_minutes(time.time() - t0)}", flush=True)
 
 
 def prepared_weights(name: str, a, gen: torch.Generator):
@@ -160,6 +215,10 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true", help="tune deterministic mode (its own entry)")
     p.add_argument("--overwrite", action="store_true",
                    help="retune batch sizes the tuned file already holds (default: resume, skipping them)")
+    p.add_argument("--compile-workers", type=int, default=0,
+                   help="processes that first compile each shape's candidates side by side (compiling is most of a "
+                        "cold point's time; as many as the GPU memory holds beside each other), 0: none")
+    p.add_argument("--compile-share", default=None, help=argparse.SUPPRESS)  # i/count: a compiling process
     a = p.parse_args(argv)
     if a.deterministic and a.dtype == "fp8":
         p.error("--deterministic tunes 16-bit weights (fp8 weights take one fixed tiling in that mode)")
@@ -167,19 +226,27 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("tuning needs a CUDA or ROCm GPU")
     ms = [int(m) for m in a.m.split(",")]
+    if a.compile_share:
+        index, count = (int(v) for v in a.compile_share.split("/"))
+        compile_candidates(shapes[0], ms, a, index, count)
+        return 0
     todo = tune_points(shapes, ms, a)
     skipped = len(shapes) * len(ms) - len(todo)
     dtype = DTYPES[a.dtype]
-    planned = sum(len(fmoe2_candidates(M, *_shape(n), dtype)) + 4 for n, M in todo)  # + tma twins and a pdl twin
+    planned = sum(len(base_candidates(n, M, a)) + 4 for n, M in todo)  # + tma twins and a pdl twin
+    per = SECONDS_PER_PRECOMPILED_CANDIDATE if a.compile_workers else SECONDS_PER_CANDIDATE
     print(f"{len(todo)} points to tune ({skipped} already in their tuned files: --overwrite retunes them), about "
-          f"{planned} candidate configs: roughly {_minutes(planned * SECONDS_PER_CANDIDATE)} "
-          f"at {SECONDS_PER_CANDIDATE} s each (compiling included)", flush=True)
+          f"{planned} candidate configs: roughly {_minutes(planned * per)} at {per} s each (compiling included)",
+          flush=True)
     t0, timed, current, prepared = time.time(), 0, None, None
     gen = torch.Generator(device="cuda").manual_seed(0)
     for i, (name, M) in enumerate(todo):
         if name != current:
             prepared, current = None, name
             torch.cuda.empty_cache()
+            if a.compile_workers:
+                mode = ["--dtype", a.dtype] + (["--deterministic"] if a.deterministic else [])
+                compile_in_parallel(name, [m for n, m in todo if n == name], a, mode)
             prepared = prepared_weights(name, a, gen)
         entry, us, count = tune_point(name, M, prepared, dtype, a, gen)
         path = _tuned_path(name, a)

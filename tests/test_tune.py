@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fmoe2.gemm.config import device_config_name
-from fmoe2.tune import _shape_names, _store, _tuned_path, tune_points
+from fmoe2.tune import _shape_names, _store, _tuned_path, compile_workers, tune_points
 
 
 def _args(tmp_path, **kw):
@@ -49,9 +49,10 @@ def test_tuning_a_small_shape_writes_its_entry_and_a_rerun_resumes(tmp_path):
     import sys
 
     command = [sys.executable, "-m", "fmoe2.tune", "--shape", "8x256x128x2", "--m", "1", "--config-dir", str(tmp_path)]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    first = subprocess.run(command + ["--compile-workers", "2"], capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "1 points to tune" in first.stdout and "[1/1] 8x256x128x2 M=1:" in first.stdout, first.stdout
+    assert "8x256x128x2: candidates compiled in 2 processes" in first.stdout, first.stdout
     path = _tuned_path("8x256x128x2", _args(tmp_path))
     with open(path) as f:
         entry = json.load(f)["1"]
@@ -60,3 +61,10 @@ def test_tuning_a_small_shape_writes_its_entry_and_a_rerun_resumes(tmp_path):
     FusedMoEConfig.from_dict(entry)  # a config fused_moe takes
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 points to tune (1 already in their tuned files" in again.stdout, again.stdout
+
+
+def test_compiling_processes_fit_the_free_memory():
+    gib = 1 << 30
+    assert compile_workers(8, 80 * gib, 1 * gib) == 8
+    assert compile_workers(8, 80 * gib, 22 * gib) == 2  # DeepSeek-V3's bf16 weights on an H100
+    assert compile_workers(8, 10 * gib, 22 * gib) == 1  # one, however little is free
