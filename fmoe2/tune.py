@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -31,6 +30,8 @@ import torch
 
 import fmoe2
 from fmoe2.bench.__main__ import make_inputs
+from fmoe2.bench.precompile import add_arguments as add_compile_arguments
+from fmoe2.bench.precompile import compile_in_processes, run_each_once, share_of
 from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
 from fmoe2.gemm.config import CONFIG_DIR, ConfigMode, ConfigProblem, device_config_name, resolve_config, shape_file_name
 from fmoe2.shapes import ALL_SHAPES, SERVED_SHAPES
@@ -144,15 +145,9 @@ def base_candidates(name: str, M: int, a) -> list:
     return fmoe2_candidates(M, E, H, I, topk, torch.bfloat16 if a.dtype == "fp8" else DTYPES[a.dtype])
 
 
-def compile_workers(requested: int, free_bytes: int, weight_bytes: int) -> int:
-    """How many compiling processes fit beside each other: each holds the shape's prepared weights and about 1 GiB
-    of context and buffers, within 80% of the GPU memory free now; at most ``requested``, at least 1."""
-    return max(1, min(requested, int(0.8 * free_bytes // (weight_bytes + (1 << 30)))))
-
-
-def compile_candidates(name: str, ms: List[int], a, index: int, count: int) -> None:
-    """Runs the share ``index`` of ``count`` of each point's candidates once (``--compile-share``): their kernels land
-    in the Triton cache, which the timed search then reads. A candidate that fails here is left to the search."""
+def compile_candidates(name: str, ms: List[int], a) -> None:
+    """Runs this process's share (``--compile-share``) of each point's candidates once: their kernels land in the
+    Triton cache, which the timed search then reads (``fmoe2/bench/precompile.py``)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     prepared = prepared_weights(name, a, gen)
     E, H, I, topk = _shape(name)
@@ -160,28 +155,18 @@ def compile_candidates(name: str, ms: List[int], a, index: int, count: int) -> N
     for M in ms:
         x, tw, ti = make_inputs(M, E, H, I, topk, gen)
         x, out = x.to(dtype), torch.empty(M, H, device="cuda", dtype=dtype)
-        for cfg in base_candidates(name, M, a)[index::count]:
-            try:
-                fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, deterministic=a.deterministic)
-            except Exception:  # noqa: BLE001 - the timed search skips (and reports) it too
-                pass
-    torch.cuda.synchronize()
+        run_each_once([lambda cfg=cfg: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg,
+                                                       deterministic=a.deterministic)
+                       for cfg in share_of(base_candidates(name, M, a), a.compile_share)])
 
 
-def compile_in_parallel(name: str, ms: List[int], a, argv: List[str]) -> None:
+def compile_in_parallel(name: str, ms: List[int], a) -> None:
     """Compiles shape ``name``'s candidates at ``ms`` in up to ``--compile-workers`` processes at once."""
     E, H, I, topk = _shape(name)
     weight_bytes = E * 3 * H * I * (1 if a.dtype == "fp8" else DTYPES[a.dtype].itemsize)
-    count = compile_workers(a.compile_workers, torch.cuda.mem_get_info()[0], weight_bytes)
-    t0 = time.time()
-    base = [sys.executable, "-m", "fmoe2.tune", *argv, "--shape", name, "--m", ",".join(map(str, ms))]
-    procs = [subprocess.Popen(base + ["--compile-share", f"{i}/{count}"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for i in range(count)]
-    for proc in procs:
-        _, err = proc.communicate()
-        if proc.returncode != 0:  # the timed search compiles what this one did not
-            print(f"  a compiling process failed: {err[-1500:]}", file=sys.stderr, flush=True)
-    print(f"{name}: candidates compiled in {count} processes in {_minutes(time.time() - t0)}", flush=True)
+    command = [sys.executable, "-m", "fmoe2.tune", "--shape", name, "--m", ",".join(map(str, ms)), "--dtype", a.dtype]
+    compile_in_processes(command + (["--deterministic"] if a.deterministic else []), a.compile_workers, weight_bytes,
+                         name)
 
 
 def prepared_weights(name: str, a, gen: torch.Generator):
@@ -215,10 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true", help="tune deterministic mode (its own entry)")
     p.add_argument("--overwrite", action="store_true",
                    help="retune batch sizes the tuned file already holds (default: resume, skipping them)")
-    p.add_argument("--compile-workers", type=int, default=0,
-                   help="processes that first compile each shape's candidates side by side (compiling is most of a "
-                        "cold point's time; as many as the GPU memory holds beside each other), 0: none")
-    p.add_argument("--compile-share", default=None, help=argparse.SUPPRESS)  # i/count: a compiling process
+    add_compile_arguments(p, "the search")
     a = p.parse_args(argv)
     if a.deterministic and a.dtype == "fp8":
         p.error("--deterministic tunes 16-bit weights (fp8 weights take one fixed tiling in that mode)")
@@ -227,8 +209,7 @@ def main(argv=None) -> int:
         p.error("tuning needs a CUDA or ROCm GPU")
     ms = [int(m) for m in a.m.split(",")]
     if a.compile_share:
-        index, count = (int(v) for v in a.compile_share.split("/"))
-        compile_candidates(shapes[0], ms, a, index, count)
+        compile_candidates(shapes[0], ms, a)
         return 0
     todo = tune_points(shapes, ms, a)
     skipped = len(shapes) * len(ms) - len(todo)
@@ -245,8 +226,7 @@ def main(argv=None) -> int:
             prepared, current = None, name
             torch.cuda.empty_cache()
             if a.compile_workers:
-                mode = ["--dtype", a.dtype] + (["--deterministic"] if a.deterministic else [])
-                compile_in_parallel(name, [m for n, m in todo if n == name], a, mode)
+                compile_in_parallel(name, [m for n, m in todo if n == name], a)
             prepared = prepared_weights(name, a, gen)
         entry, us, count = tune_point(name, M, prepared, dtype, a, gen)
         path = _tuned_path(name, a)

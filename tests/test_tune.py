@@ -7,7 +7,8 @@ import os
 import pytest
 
 from fmoe2.gemm.config import device_config_name
-from fmoe2.tune import _shape_names, _store, _tuned_path, compile_workers, tune_points
+from fmoe2.bench.precompile import share_of, worker_count
+from fmoe2.tune import _shape_names, _store, _tuned_path, tune_points
 
 
 def _args(tmp_path, **kw):
@@ -63,8 +64,13 @@ def test_tuning_a_small_shape_writes_its_entry_and_a_rerun_resumes(tmp_path):
     assert again.returncode == 0 and "0 points to tune (1 already in their tuned files" in again.stdout, again.stdout
 
 
-def test_compiling_processes_fit_the_free_memory():
+def test_compiling_processes_fit_the_free_memory_and_share_the_candidates():
     gib = 1 << 30
-    assert compile_workers(8, 80 * gib, 1 * gib) == 8
-    assert compile_workers(8, 80 * gib, 22 * gib) == 2  # DeepSeek-V3's bf16 weights on an H100
-    assert compile_workers(8, 10 * gib, 22 * gib) == 1  # one, however little is free
+    assert worker_count(8, 80 * gib, 1 * gib) == 8
+    assert worker_count(8, 80 * gib, 22 * gib) == 2  # DeepSeek-V3's bf16 weights on an H100
+    assert worker_count(8, 10 * gib, 22 * gib) == 1  # one, however little is free
+    items = list(range(10))
+    shares = [share_of(items, f"{i}/3") for i in range(3)]
+    assert sorted(sum(shares, [])) == items and shares[1] == [1, 4, 7]
+    with pytest.raises(ValueError):
+        share_of(items, "3/3")

@@ -2,6 +2,7 @@
 
     python -m fmoe2.bench [--shapes mixtral-8x7b,qwen3-30b-a3b,deepseek-v2-lite | --shape E,H,I,topk]
                           [--m 1,16,128,1024,4096] [--no-search] [--update] [--out-dir misc/bench]
+                          [--compile-workers 8]
     python -m fmoe2.bench --lora [--rank 16] [--num-loras 4] [--search]     (see fmoe2/bench/lora.py)
     python -m fmoe2.bench --dtype fp8 [--scheme block|channel|tensor]       (see fmoe2/bench/fp8.py)
     python -m fmoe2.bench --deterministic [--candidates]                     (see fmoe2/bench/deterministic.py)
@@ -38,8 +39,10 @@ from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import forward_launches
 from fmoe2.shapes import ALL_SHAPES, SHAPE_OPTIONS, SHAPES
 
+from .precompile import add_arguments as add_compile_arguments
+from .precompile import compile_in_processes, run_each_once, share_of
 from .report import merge_results, write_report
-from .search import baseline_candidates, search, search_fmoe2
+from .search import baseline_candidates, fmoe2_candidates, search, search_fmoe2
 from .timing import time_in_graph
 from .vllm_style import vllm_style_fused_experts
 
@@ -192,6 +195,20 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
     return rows
 
 
+def compile_share(name, shape, ms, share: str, gen) -> None:
+    """Runs this process's share (``--compile-share i/n``) of both searches' candidates once at each batch size, so
+    their kernels are in the Triton cache when the searches time them (``fmoe2/bench/precompile.py``)."""
+    E, H, I, topk = shape
+    w1, w2, options, biases, prepared = make_weights(name, shape, gen)
+    for M in ms:
+        x, tw, ti = make_inputs(M, E, H, I, topk, gen)
+        out = torch.empty_like(x)
+        run_each_once([lambda cfg=cfg: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, **options)
+                       for cfg in share_of(fmoe2_candidates(M, E, H, I, topk, torch.bfloat16), share)]
+                      + [lambda cfgs=cfgs: vllm_style_fused_experts(x, w1, w2, tw, ti, *cfgs, **options, **biases)
+                         for cfgs in share_of(baseline_candidates(M, E, topk), share)])
+
+
 def write_results(path: str, result: dict, update: bool = False) -> dict:
     """Writes one shape's result file; with ``update`` an existing file keeps its rows of the batch
     sizes not in ``result`` (``merge_results``). Returns what was written."""
@@ -233,6 +250,7 @@ def main(argv=None) -> int:
                         "reproducibility (results under <out-dir>/deterministic)")
     p.add_argument("--candidates", action="store_true",
                    help="with --deterministic: also time other fixed tilings for deterministic mode")
+    add_compile_arguments(p, "both searches (plain bf16 runs)")
     p.add_argument("--host", action="store_true",
                    help="host cost per call instead (python -m fmoe2.bench.host; --shapes, --out-dir apply)")
     a = p.parse_args(argv)
@@ -262,6 +280,10 @@ def main(argv=None) -> int:
         a.m = "1,16,128,1024"
     ms = [int(m) for m in a.m.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(a.seed)
+    if a.compile_share:
+        for name, shape in shapes.items():
+            compile_share(name, shape, ms, a.compile_share, gen)
+        return 0
     ceilings = measure_ceilings()
     device = torch.cuda.get_device_name()
     meta = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -300,6 +322,11 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(a.out_dir, exist_ok=True)
     for name, shape in shapes.items():
+        if a.compile_workers and not a.no_search:
+            E, H, I, _ = shape  # each process holds the weights twice (plain and prepared)
+            which = ["--shape", a.shape] if a.shape else ["--shapes", name]
+            compile_in_processes([sys.executable, "-m", "fmoe2.bench", *which, "--m", a.m, "--seed", str(a.seed)],
+                                 a.compile_workers, 2 * E * 3 * H * I * 2, name)
         rows = bench_shape(name, shape, ms, not a.no_search, ceilings, gen)
         path = os.path.join(a.out_dir, f"{device_config_name()}__{name}.json")
         write_results(path, {**meta, "results": rows}, update=a.update)
