@@ -222,7 +222,8 @@ def markdown(result: dict) -> str:
              f"where there is one: {', '.join(result['tuned_shapes']) or 'none'}); `defaults`: the default rules "
              f"alone (fitted on {', '.join(result['rules_fitted_on'])}); `vllm-default`: the baseline with vLLM's "
              "rule for an untuned shape. Ratios: baseline time / fmoe2 time (> 1: fmoe2 faster); `defaults / best`: "
-             "the defaults' time over the best fmoe2 variant timed at the point. Floor: the bytes of the experts hit and of "
+             "the defaults' time over the best fmoe2 variant timed at the point. Floor: the bytes of the experts hit "
+             "and of "
              "the activations over the measured copy bandwidth, or the FLOPs over the measured bf16 matmul rate.", ""]
     if result.get("note"):
         lines += [f"Note: {result['note']}", ""]
@@ -236,7 +237,8 @@ def markdown(result: dict) -> str:
         t = r["us"]
         best_label = min((k for k in t if k != "vllm-default" and k not in r.get("failed", ())), key=t.get)
         floor = r.get("floor_us")  # (runs before the floor was measured have none)
-        floors = f"{floor:.1f} | {t['defaults'] / floor:.2f} | {t['vllm-default'] / floor:.2f}" if floor else "- | - | -"
+        floors = (f"{floor:.1f} | {t['defaults'] / floor:.2f} | {t['vllm-default'] / floor:.2f}" if floor
+                  else "- | - | -")
         lines.append(f"| {r['shape']} | {r['M']} | {r['tokens_per_expert']:g} | {t['auto']:.1f} | {t['defaults']:.1f} "
                      + (f"| {t['defaults@other']:.1f} " if other else "")
                      + f"| {t['vllm-default']:.1f} | {t['vllm-default'] / t['auto']:.2f} | "
