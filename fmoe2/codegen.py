@@ -1,7 +1,8 @@
 """Code-generation report: compile fmoe2's kernels for a GPU that is not there and read the code.
 
     python -m fmoe2.codegen --target {sm_80,sm_90,sm_100,gfx90a,gfx942,gfx950} [--shape E,H,I,topk] [--m 1,4096]
-                            [--lora-rank 16 --num-loras 4] [--fp8 {block,channel,tensor}] [--deterministic]
+                            [--lora-rank 16 --num-loras 4] [--fp8 {block,channel,tensor}] [--weights {mxfp4,int4}]
+                            [--deterministic]
 
 For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
 AMD), spills, shared memory / LDS bytes, the matrix instructions found and the instructions the
@@ -34,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._validation import interpreter_requested
 from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
-from .gemm.config import ConfigMode, ConfigProblem, resolve_config
+from .gemm.config import ConfigMode, ConfigProblem, fit_packed_config, resolve_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, decode_launch,
                             decodes_in_one_launch, deltas_in_stages, forward_specs, fused_kernel_casts,
                             fused_kernel_launch, lora_expand_launch, lora_shrink_launch, stage2_kernel_launch)
@@ -54,7 +55,9 @@ TARGET_MULTIPROCESSORS = {name: t.num_sms for name, t in NAMED_TARGETS.items()}
 TARGET_SHARED_MEMORY = {name: t.shared_memory for name, t in NAMED_TARGETS.items()}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
+                 torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8",
+                 torch.uint8: "u8"}
+PACKED_GROUPS = {"mxfp4": 32, "int4": 128}  # the group sizes the report compiles 4-bit weights with
 
 
 def _signature(fn, args: dict, constexprs: dict, backend: str):
@@ -224,10 +227,48 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
         intermediate_size=inter)
 
 
+def _meta_weights(target_name: str, E: int, H: int, inter: int, dtype: torch.dtype, prepared: bool, fp8: str,
+                  weights: str):
+    """``(w1, w2, scales, weight_dtype)`` on the meta device as :func:`codegen_report` compiles them (``scales``: the
+    ``MoEProblem`` fields of fp8 or 4-bit weights)."""
+    meta = dict(device="meta")
+    weight_dtype = dtype
+    if fp8:
+        weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
+    scales = {}
+    if weights:  # packed two values per byte along K, H and I padded to whole groups (fmoe2.prepare_weights)
+        group = PACKED_GROUPS[weights]
+        h_pad, i_pad = _round_up(H, max(64, group)), _round_up(inter, max(64, group))
+        w1 = torch.empty(E, 2 * i_pad, h_pad // 2, dtype=torch.uint8, **meta)
+        w2 = torch.empty(E, h_pad, i_pad // 2, dtype=torch.uint8, **meta)
+        pair = () if weights == "mxfp4" else (2,)
+        scale_dtype = torch.uint8 if weights == "mxfp4" else torch.float16
+        scales = dict(w1_scale=torch.empty(E, 2 * i_pad, h_pad // group, *pair, dtype=scale_dtype, **meta),
+                      w2_scale=torch.empty(E, h_pad, i_pad // group, *pair, dtype=scale_dtype, **meta),
+                      scale_block=(1, group))
+    elif prepared:
+        h_pad, i_pad = _round_up(H, 64), _round_up(inter, 64)
+        w1 = torch.empty(E, 2 * i_pad, h_pad, dtype=weight_dtype, **meta)
+        w2 = torch.empty(E, h_pad, i_pad, dtype=weight_dtype, **meta)
+    else:
+        w1 = torch.empty(E, 2 * inter, H, dtype=weight_dtype, **meta)
+        w2 = torch.empty(E, H, inter, dtype=weight_dtype, **meta)
+    if fp8:
+        block = DEFAULT_BLOCK_SHAPE if fp8 == "block" else None
+        shapes = {"block": ((E, -(-2 * inter // 128), -(-H // 128)), (E, -(-H // 128), -(-inter // 128))),
+                  "channel": ((E, 2 * inter), (E, H)), "tensor": ((E,), (E,))}[fp8]
+        s1, bn, bk, _ = weight_scale_view("w1_scale", torch.empty(shapes[0], dtype=torch.float32, **meta), E,
+                                          2 * inter, H, block)
+        s2, _, _, _ = weight_scale_view("w2_scale", torch.empty(shapes[1], dtype=torch.float32, **meta), E, H,
+                                        inter, block)
+        scales = dict(w1_scale=s1, w2_scale=s2, scale_block=(bn, bk))
+    return w1, w2, scales, weight_dtype
+
+
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
                    num_loras: int = 4, tma: bool = False, pdl: bool = False, fp8: str = "",
-                   deterministic: bool = False, tuned_for: Optional[str] = None) -> List[dict]:
+                   deterministic: bool = False, tuned_for: Optional[str] = None, weights: str = "") -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always
@@ -242,6 +283,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     with ``pdl=True`` (programmatic dependent launch). ``fp8`` ("block", "channel" or "tensor"): fp8
     weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
     (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
+    ``weights`` ("mxfp4" or "int4"): prepared 4-bit weights (``fmoe2/quant4.py``; int4 with groups of 128 and fp16
+    (scale, zero) pairs), dequantized in the kernels' operand loader.
     ``tuned_for``: the configs of that GPU's tuned files (``fmoe2/gemm/configs/<tuned_for>/``) where it has one
     for the shape, instead of the shipped default rules.
     ``deterministic``: instead, the launches of deterministic mode (``deterministic_sort``,
@@ -252,31 +295,14 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
         raise ValueError(f"fp8 must be one of {SCHEMES} or empty, got {fp8!r}")
     if fp8 and lora_rank:
         raise ValueError("fp8 weights do not take LoRA adapters yet")
+    if weights and (weights not in PACKED_GROUPS or fp8 or not prepared):
+        raise ValueError(f"weights must be one of {tuple(PACKED_GROUPS)} (prepared, without fp8), got {weights!r}")
     target = TARGETS[target_name]
     named = NAMED_TARGETS[target_name]
     E, H, inter, topk = shape
     meta = dict(device="meta")
     x = torch.empty(M, H, dtype=dtype, **meta)
-    weight_dtype = dtype
-    if fp8:
-        weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
-    if prepared:
-        h_pad, i_pad = _round_up(H, 64), _round_up(inter, 64)
-        w1 = torch.empty(E, 2 * i_pad, h_pad, dtype=weight_dtype, **meta)
-        w2 = torch.empty(E, h_pad, i_pad, dtype=weight_dtype, **meta)
-    else:
-        w1 = torch.empty(E, 2 * inter, H, dtype=weight_dtype, **meta)
-        w2 = torch.empty(E, H, inter, dtype=weight_dtype, **meta)
-    scales = {}
-    if fp8:
-        block = DEFAULT_BLOCK_SHAPE if fp8 == "block" else None
-        shapes = {"block": ((E, -(-2 * inter // 128), -(-H // 128)), (E, -(-H // 128), -(-inter // 128))),
-                  "channel": ((E, 2 * inter), (E, H)), "tensor": ((E,), (E,))}[fp8]
-        s1, bn, bk, _ = weight_scale_view("w1_scale", torch.empty(shapes[0], dtype=torch.float32, **meta), E,
-                                          2 * inter, H, block)
-        s2, _, _, _ = weight_scale_view("w2_scale", torch.empty(shapes[1], dtype=torch.float32, **meta), E, H,
-                                        inter, block)
-        scales = dict(w1_scale=s1, w2_scale=s2, scale_block=(bn, bk))
+    w1, w2, scales, weight_dtype = _meta_weights(target_name, E, H, inter, dtype, prepared, fp8, weights)
     topk_ids = torch.empty(M, topk, dtype=torch.int32, **meta)
     topk_weights = torch.empty(M, topk, dtype=torch.float32, **meta)
     problem_shape = ConfigProblem(M, E, H, inter, topk, dtype)
@@ -284,7 +310,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     def resolve(path, lora=False):  # what fused_moe runs there (griddepcontrol needs sm_90; fp8 keeps pointer loads)
         cfg = resolve_config(problem_shape, ConfigMode(lora, bool(fp8), deterministic), named, path=path,
                              tuned_for=tuned_for)
-        return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8,
+        if weights:
+            cfg = fit_packed_config(cfg, target.warp_size, lora)
+        return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8 and not weights,
                                                  pdl=(cfg.pdl or pdl) and named.has_grid_dependency_control)
 
     config = resolve("auto", lora=bool(lora_rank))
@@ -294,6 +322,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
     quantized_x = x_quantization = None
+    if weights:
+        common["weights"] = {"format": weights, "group": PACKED_GROUPS[weights]}
     if fp8:
         common["fp8"] = {"scheme": fp8, "weight_dtype": str(weight_dtype).replace("torch.", "")}
         quantized_x = (torch.empty(M, H, dtype=weight_dtype, **meta),
@@ -392,6 +422,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pdl", action="store_true", help="configs with pdl=True (programmatic dependent launch)")
     parser.add_argument("--fp8", default="", choices=("",) + SCHEMES,
                         help="fp8 weights with scales of this scheme (block-wise: 128 x 128); --dtype is the activations'")
+    parser.add_argument("--weights", default="", choices=("",) + tuple(PACKED_GROUPS),
+                        help="prepared 4-bit weights (mxfp4; int4 with groups of 128), dequantized in the kernels")
     parser.add_argument("--deterministic", action="store_true",
                         help="the launches of deterministic mode instead (fused_moe(..., deterministic=True))")
     parser.add_argument("--tuned-for", default=None,
@@ -400,6 +432,8 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     if a.fp8 and a.lora_rank:
         parser.error("--fp8 does not take --lora-rank: fp8 weights take no LoRA adapters yet")
+    if a.weights and (a.fp8 or a.plain):
+        parser.error("--weights (4-bit, prepared) takes neither --fp8 nor --plain")
     if interpreter_requested():
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     if a.shape in SHAPES:
@@ -416,7 +450,7 @@ def main(argv=None) -> int:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
         for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
-                                     a.num_loras, a.tma, a.pdl, a.fp8, a.deterministic, a.tuned_for):
+                                     a.num_loras, a.tma, a.pdl, a.fp8, a.deterministic, a.tuned_for, a.weights):
             print(json.dumps(report))
     return 0
 

@@ -74,7 +74,8 @@ def _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved, w1_scale=None,
     from .gemm.layout import PreparedMoEWeights, checked_weight_scales
 
     if isinstance(w1, PreparedMoEWeights):
-        s13, s2, scale_block = w1.s13, w1.s2, w1.scale_block
+        # (4-bit weights come back dequantized, in float32: the kernels dequantize them exactly)
+        s13, s2, scale_block = (w1.s13, w1.s2, w1.scale_block) if w1.fp8 else (None, None, None)
         (w1, w2), (w1_bias, w2_bias) = w1.unprepare(), w1.unprepare_biases()
     else:
         s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ..gemm.fp8_weights import _tile_gemm_fp8, scale_strides
 from ..gemm.grouped_gemm_kernel import _add_bias, _stage2_program, _tile_gemm_16bit, _write_rows
+from ..gemm.operands import _expert_scales
 from ..sorting import max_busy_tiles
 
 
@@ -25,6 +26,7 @@ def _gathered_gemm_kernel(
     bias_ptr,  # None, or [E, N]: added before MUL_ROUTED_WEIGHT's multiply, as vLLM's kernel adds it
     a_scale_ptr,  # None, or fp8 A's float32 scales [num_a_rows, cdiv(K, BLOCK_K)] (b_scale_ptr with it)
     b_scale_ptr,  # None, or fp8 B's float32 scales [E, Sn, Sk] (stride 0 along a dimension of size 1)
+    b_group_scale_ptr,  # None, or the group scales of 4-bit B (packed [E, N, K // 2], fmoe2/quant4.py)
     num_valid_ids, N, K, num_grid_tiles,
     stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_as_m, stride_bs_e, stride_bs_n,
     stride_bs_k, stride_c_m,
@@ -33,6 +35,7 @@ def _gathered_gemm_kernel(
     ATOMIC_OUTPUT: tl.constexpr,  # relaxed atomic add at row id (else a store)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr = 1, SCALE_BLOCK_K: tl.constexpr = 128,
+    WEIGHT_GROUP: tl.constexpr = 1,  # K columns per scale of 4-bit B
 ):
     """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),)."""
     expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
@@ -47,9 +50,14 @@ def _gathered_gemm_kernel(
                              b_scale_ptr + expert * stride_bs_e + (offs_n // SCALE_BLOCK_N) * stride_bs_n, n_valid,
                              stride_b_k, stride_bs_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K, 448.0, False,
                              0.015625, 0.001953125, SCALE_BLOCK_K)
-    else:
+    else:  # 16-bit B, or 4-bit B dequantized in the K loop (as vLLM's wna16 kernel does)
+        bs_rows = None
+        if b_group_scale_ptr is not None:
+            bs_expert, stride_bs_group_n = _expert_scales(b_group_scale_ptr, expert, stride_b_e, stride_b_n,
+                                                          WEIGHT_GROUP)
+            bs_rows = bs_expert + offs_n * stride_bs_group_n
         acc = _tile_gemm_16bit(a_ptr + a_row[:, None] * stride_a_m, None, 0, row_valid, b_rows, None, 0, n_valid,
-                               stride_b_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
+                               stride_b_k, k_first, k_end, K, bs_rows, BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, None, offs_m, offs_n, n_valid, k_first)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
@@ -58,10 +66,14 @@ def _gathered_gemm_kernel(
 
 def gathered_gemm(a, b, c, sorting, topk_weights, num_entries: int, a_row_divisor: int, mul_weight: bool,
                   atomic: bool, block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int,
-                  num_stages: int, bias=None, a_scale=None, b_scale=None, scale_block=None) -> None:
+                  num_stages: int, bias=None, a_scale=None, b_scale=None, scale_block=None, group_scale=None,
+                  group: int = 1) -> None:
     """Launches :func:`_gathered_gemm_kernel` over ``sorting``'s tiles (expanded ids, ``num_entries`` valid) of
-    ``b`` [E, N, K]; fp8 with ``a_scale``, ``b_scale`` and ``scale_block`` ``(block_n, block_k)``."""
+    ``b`` [E, N, K]; fp8 with ``a_scale``, ``b_scale`` and ``scale_block`` ``(block_n, block_k)``; 4-bit ``b``
+    (packed [E, N, K // 2]) with its ``group_scale`` of ``group`` columns (``fmoe2/quant4.py``)."""
     E, N, K = b.shape
+    if group_scale is not None:
+        K *= 2
     num_grid_tiles = max_busy_tiles(num_entries, E, block_m)
     bs_strides = [None] * 3
     fp8 = {}
@@ -70,8 +82,8 @@ def gathered_gemm(a, b, c, sorting, topk_weights, num_entries: int, a_row_diviso
         fp8 = dict(SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1])
     _gathered_gemm_kernel[(num_grid_tiles * triton.cdiv(N, block_n),)](
         a, b, c, sorting.sorted_token_ids, sorting.sorted_expert_ids, sorting.num_sorted_tiles, topk_weights, bias,
-        a_scale, b_scale, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), b.stride(2),
+        a_scale, b_scale, group_scale, num_entries, N, K, num_grid_tiles, a.stride(0), b.stride(0), b.stride(1), b.stride(2),
         bias.stride(0) if bias is not None else None, a_scale.stride(0) if a_scale is not None else None,
         *bs_strides, c.stride(0), A_ROW_DIVISOR=a_row_divisor, MUL_ROUTED_WEIGHT=mul_weight, ATOMIC_OUTPUT=atomic,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps,
-        num_stages=num_stages, **fp8)
+        num_stages=num_stages, WEIGHT_GROUP=group, **fp8)

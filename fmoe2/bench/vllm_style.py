@@ -141,10 +141,10 @@ def per_token_group_quant(v: torch.Tensor, fp8_dtype: torch.dtype):
 
 
 def _grouped_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, cfg: GroupedGemmConfig,
-                  bias=None, a_scale=None, b_scale=None, scale_block=None):
+                  bias=None, a_scale=None, b_scale=None, scale_block=None, group_scale=None, group=1):
     gathered_gemm(a, b, c, sorting, topk_weights, num_entries, a_row_divisor, mul_weight, False, cfg.BLOCK_M,
                   cfg.BLOCK_N, cfg.BLOCK_K, cfg.GROUP_M, cfg.num_warps, cfg.num_stages, bias, a_scale, b_scale,
-                  scale_block)
+                  scale_block, group_scale, group)
 
 
 def _align(x, w1, topk_weights, topk_ids, block_m: int):
@@ -161,9 +161,14 @@ def _align(x, w1, topk_weights, topk_ids, block_m: int):
 
 def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGemmConfig, gemm2: GroupedGemmConfig,
                              activation: str = "silu", lora=None, token_lora_ids=None, lora_cfg=None, w1_bias=None,
-                             w2_bias=None, swiglu_alpha: float = 1.702, swiglu_limit=None) -> torch.Tensor:
+                             w2_bias=None, swiglu_alpha: float = 1.702, swiglu_limit=None, w1_group_scale=None,
+                             w2_group_scale=None, group: int = 1) -> torch.Tensor:
     """The unfused baseline; same math as :func:`fmoe2.fused_moe` (``w1`` gate rows then up rows; biases
     in the GEMMs' epilogues, as vLLM's kernel adds them). Both GEMMs share BLOCK_M (one sort).
+
+    4-bit weights (w4a16, like vLLM's wna16 kernel: dequantized in the GEMMs' K loops): ``w1`` [E, 2I, H // 2] and
+    ``w2`` [E, H, I // 2] packed (``fmoe2/quant4.py``) with their group scales ``w1_group_scale`` /
+    ``w2_group_scale`` (contiguous, laid out like the packed rows) of ``group`` columns.
 
     With ``lora`` (a ``BaselineLoRA``) and ``token_lora_ids`` it adds the LoRA alignment and the
     shrink/expand kernels of ``fmoe2/bench/vllm_style_lora.py`` after each GEMM.
@@ -179,7 +184,8 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
         from .vllm_style_lora import LoRASteps
 
         lora_steps = LoRASteps(lora, token_lora_ids, topk_ids, topk_weights, weights, lora_cfg)
-    _grouped_gemm(x, w1, cache1, sorting, weights, num_entries, topk, False, gemm1, w1_bias)
+    _grouped_gemm(x, w1, cache1, sorting, weights, num_entries, topk, False, gemm1, w1_bias,
+                  group_scale=w1_group_scale, group=group)
     if lora is not None:
         lora_steps.gate_up(x, cache1)
     act_block = min(1024, triton.next_power_of_2(inter))
@@ -187,7 +193,8 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
         cache1, cache2, inter, ACTIVATION=activation, BLOCK=act_block,
         SWIGLU_ALPHA=float(swiglu_alpha) if activation == "swiglu_oai" else 1.702,
         SWIGLU_LIMIT=float(swiglu_limit) if swiglu_limit is not None else None)
-    _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2, w2_bias)
+    _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2, w2_bias,
+                  group_scale=w2_group_scale, group=group)
     if lora is not None:
         lora_steps.down(cache2, cache3.view(num_entries, H))
     out = torch.empty_like(x)

@@ -359,6 +359,35 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     return fit_shared_memory(cfg, dtype.itemsize, shared_memory)
 
 
+# 4-bit weights (fmoe2/quant4.py) are dequantized in registers, in float32, one weight tile at a time: tiles of
+# up to this many elements per thread of the program. Read off the code-generation report (python -m fmoe2.codegen
+# --weights mxfp4, gpt-oss-120b's shape, Triton 3.9): the 16-bit M=1 pick's [2 x 128, 128] gate/up tile (128 per
+# thread at 8 warps) took 255 registers and spilled on sm_90; halving BLOCK_K there removed the spills.
+# With adapters (whose operands the fused kernel also holds) or tiles of more than 32 rows (whose accumulators take
+# more registers) half that: at 64, the M=1 and M=16 picks with rank-16 adapters spilled 7-10 instructions on sm_90,
+# and the M=4096 picks (128-row tiles, the next step's tile loaded ahead) 3-48.
+PACKED_TILE_ELEMENTS_PER_THREAD = 64
+
+
+def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = False) -> FusedMoEConfig:
+    """A config fitted for prepared 4-bit weights: the K steps of the gate/up tile (``2*BLOCK_N x BLOCK_K``), the
+    down chunks (``BLOCK_H x BLOCK_N``) and stage 2's K steps (``S2_BLOCK_N x S2_BLOCK_K``) halved (not below 32)
+    until each tile holds at most :data:`PACKED_TILE_ELEMENTS_PER_THREAD` elements per thread (half with
+    adapters or more than 32 rows per tile)."""
+    limit = PACKED_TILE_ELEMENTS_PER_THREAD * warp_size // (2 if lora or cfg.BLOCK_M > 32 else 1)
+
+    def fitted(block, other, warps):
+        while block > 32 and block * other > limit * warps:
+            block //= 2
+        return block
+
+    changes = dict(BLOCK_K=fitted(cfg.BLOCK_K, 2 * cfg.BLOCK_N, cfg.num_warps),
+                   BLOCK_H=fitted(cfg.BLOCK_H, cfg.BLOCK_N, cfg.num_warps))
+    if cfg.path == "two_stage":
+        changes["S2_BLOCK_K"] = fitted(cfg.S2_BLOCK_K, cfg.S2_BLOCK_N, cfg.s2_num_warps or cfg.num_warps)
+    return replace(cfg, **changes)
+
+
 def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAULT_SHARED_MEMORY,
                    grid: Optional[tuple] = None) -> FusedMoEConfig:
     """A (fitted) config made fit for fp8 weights (``fmoe2/fp8.py``): every K step one activation

@@ -56,11 +56,11 @@ def _lora_tile(token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras
 
 @triton.jit
 def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
-                  w13_desc, w13_row0, a13_expert, stride_la13_l, stride_la13_r, b13_expert, stride_lb13_l,
-                  stride_lb13_r, a2_expert, stride_la2_l, stride_la2_r, row_slot, present, slot_of, num_present,
-                  row_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  w13_desc, w13_row0, s1_expert, stride_s1_n, a13_expert, stride_la13_l, stride_la13_r, b13_expert,
+                  stride_lb13_l, stride_lb13_r, a2_expert, stride_la2_l, stride_la2_r, row_slot, present, slot_of,
+                  num_present, row_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GATE_UP_INTERLEAVED: tl.constexpr, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr,
-                  LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr):
+                  LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """Gate and up accumulators of a tile with adapters: the base GEMM with every slot group's deltas
     added. Returns gate, up and (decode tiles, loaded before the K loop) the slice's stacked A2 tile
     [STACK, BLOCK_N] of the first slot group; other tiles get zeros there and load it after the loop."""
@@ -80,8 +80,9 @@ def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n
                                             LORA_SLOTS, LORA_RANK, 1)
         la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
     gate, up, shrink = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                      r_valid, I, H, la_rows, la_used, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      GATE_UP_INTERLEAVED, True, 2 * STACK, LORA_STAGES)
+                                      r_valid, I, H, la_rows, la_used, w13_desc, w13_row0, s1_expert, stride_s1_n,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, True, 2 * STACK, LORA_STAGES,
+                                      WEIGHT_GROUP)
     shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
     if LORA_DECODE:
         gate = tl.dot(shrink_gate, b13_gate_tile, gate, input_precision="ieee")
@@ -113,9 +114,10 @@ def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n
 @triton.jit
 def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, w2_desc,
                w2_row0, slice_col0, b2_expert, bias_weight, a2_expert, stride_la2_l, stride_la2_r, b2t_expert,
-               stride_lb2_l, stride_lb2_r, row_slot, present, slot_of, num_present, row_scale, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr,
-               LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr):
+               stride_lb2_l, stride_lb2_r, row_slot, present, slot_of, num_present, row_scale, s2_expert, stride_s2_n, I,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, LORA_RANK: tl.constexpr,
+               LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr,
+               WEIGHT_GROUP: tl.constexpr):
     """The fused path's down GEMM of a tile with adapters: the slice's down shrink of each slot group,
     ``t = y_slice @ A2[stack, slice]^T`` (each row keeps its own slot's columns), its expand ``t @ B2t[stack,
     h chunk]`` riding the base down loop (``la2``: decode tiles' A2 tile of the first group, loaded before the
@@ -129,7 +131,8 @@ def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i,
                                           LORA_SLOTS, LORA_RANK, 1)
     _down_16bit(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                 _down_shrink(y, la2, row_slot, d_slot, row_scale), lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0,
-                b2_expert, bias_weight, BLOCK_M, BLOCK_H, True, True, LORA_STAGES)
+                b2_expert, bias_weight, s2_expert, stride_s2_n, I, BLOCK_M, BLOCK_H, True, True, LORA_STAGES,
+                WEIGHT_GROUP)
     if LORA_SLOTS < LORA_IDS:
         # Further slot groups: their own pass over H, atomics on their rows only.
         for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
@@ -141,8 +144,8 @@ def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i,
                         stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                         _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
                                      row_scale),
-                        lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0, None, bias_weight, BLOCK_M, BLOCK_H, False,
-                        True, LORA_STAGES)
+                        lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0, None, bias_weight, s2_expert, stride_s2_n, I,
+                        BLOCK_M, BLOCK_H, False, True, LORA_STAGES, WEIGHT_GROUP)
 
 
 @triton.jit

@@ -22,8 +22,10 @@ from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..activations import ACTIVATION_TABLE, ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
 from ..fp8 import FP8_DTYPES
+from .. import quant4
 from .decode import one_launch_allowed
-from .config import PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name, resolve_config
+from .config import (PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name, fit_packed_config,
+                     resolve_config)
 from .launches import MoEProblem
 from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
@@ -261,7 +263,7 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
             raise ValueError("w1_scale/w2_scale/block_shape go with plain fp8 weights; prepared weights carry their "
                              "scales (fmoe2.prepare_weights(w1, w2, w1_scale=..., w2_scale=..., block_shape=...))")
         check_interpreter_dtype("w1", w1.dtype)
-        if w1.dtype != dtype and not w1.fp8:
+        if w1.dtype != dtype and not (w1.fp8 or w1.packed):
             raise TypeError(f"prepared weights have dtype {w1.dtype} but hidden_states has {dtype}")
         if w1.hidden_size != H:
             raise ValueError(f"prepared weights have hidden size {w1.hidden_size} but hidden_states has H={H}")
@@ -272,18 +274,24 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
         s13, s2, scale_block = w1.s13, w1.s2, w1.scale_block
         check_tensor("w1.w13", w1_t, ndim=3, dtypes=(w1.dtype,), shape_doc="[E, 2*I_pad, H_pad]")
         check_tensor("w1.w2", w2_t, ndim=3, dtypes=(w1.dtype,), shape_doc="[E, H_pad, I_pad]")
-        if w1.fp8 != (w1.dtype in FP8_DTYPES):
-            raise ValueError(f"prepared weights of dtype {w1.dtype} {'lack' if not w1.fp8 else 'must not have'} "
-                             f"scales (prepare fp8 weights with their w1_scale/w2_scale)")
-        if (w1_t.shape[1] % 2 or w1_t.shape[1] < 2 * inter or w1_t.shape[2] < H or w2_t.shape[0] != E
-                or w2_t.shape[1] < H or w2_t.shape[2] < inter):
+        if (s13 is not None) != (w1.fp8 or w1.packed) or (s2 is None) != (s13 is None):
+            raise ValueError(f"prepared weights of dtype {w1.dtype} {'must not have' if s13 is not None else 'lack'} "
+                             f"scales (prepare fp8 and 4-bit weights with their w1_scale/w2_scale)")
+        per_byte = 2 if w1.packed else 1  # (4-bit weights: two K columns per byte)
+        if (w1_t.shape[1] % 2 or w1_t.shape[1] < 2 * inter or per_byte * w1_t.shape[2] < H or w2_t.shape[0] != E
+                or w2_t.shape[1] < H or per_byte * w2_t.shape[2] < inter):
             raise ValueError(f"prepared weights are inconsistent with H={H}, I={inter}, E={E}: w13 "
-                             f"{tuple(w1_t.shape)} must be [E, 2*I_pad, H_pad] and w2 {tuple(w2_t.shape)} "
-                             f"[E, H_pad, I_pad] with I_pad >= I and H_pad >= H")
+                             f"{tuple(w1_t.shape)} must be [E, 2*I_pad, H_pad{' // 2' * (per_byte > 1)}] and w2 "
+                             f"{tuple(w2_t.shape)} [E, H_pad, I_pad{' // 2' * (per_byte > 1)}] with I_pad >= I and "
+                             f"H_pad >= H")
+        if w1.packed:
+            check_packed_scales(w1, E)
         check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared=True)
         for name, bias, shape in (("w1.b13", w1.b13, (E, w1_t.shape[1])), ("w1.b2", w1.b2, (E, w2_t.shape[1]))):
             if bias is not None:
-                check_tensor(name, bias, dtypes=(dtype,), shape=shape, shape_doc=f"{list(shape)} (padded like the weights)")
+                # (4-bit weights' biases: any float dtype, added in float32; gpt-oss keeps float32 ones)
+                check_tensor(name, bias, dtypes=FLOAT_DTYPES if w1.packed else (dtype,), shape=shape,
+                             shape_doc=f"{list(shape)} (padded like the weights)")
         w1_bias, w2_bias = w1.b13, w1.b2
     else:
         # Any strides: transposed layouts (transformers' gpt-oss stores [E, H, 2I]) are read in place.
@@ -305,6 +313,26 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
     if E < 1 or inter < 1 or H < 1:
         raise ValueError(f"w1 must have E >= 1 experts and H, I >= 1, got E={E}, H={H}, I={inter}")
     return w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block
+
+
+def check_packed_scales(w1: PreparedMoEWeights, E: int) -> None:
+    """Checks the group scales of prepared 4-bit weights against their packed weights (``fmoe2/quant4.py``)."""
+    group = w1.group_size
+    mxfp4 = w1.weight_format == "mxfp4"
+    allowed = (quant4.MXFP4_GROUP,) if mxfp4 else quant4.INT4_GROUPS
+    if group not in allowed:
+        raise ValueError(f"prepared {w1.weight_format} weights have group {group}; supported: {allowed}")
+    for name, w, scale in (("w1.s13", w1.w13, w1.s13), ("w1.s2", w1.w2, w1.s2)):
+        k_pad = 2 * w.shape[2]
+        if k_pad % group:
+            raise ValueError(f"prepared {w1.weight_format} weights' packed rows ({k_pad} columns) must hold whole "
+                             f"groups of {group} (fmoe2.prepare_weights pads them so)")
+        shape = (E, w.shape[1], k_pad // group) + (() if mxfp4 else (2,))
+        # (contiguous like the packed weights: the kernels derive the scales' strides from theirs)
+        check_tensor(name, scale, dtypes=(torch.uint8,) if mxfp4 else FLOAT_DTYPES, shape=shape,
+                     shape_doc=f"{list(shape)} ({'e8m0 scales' if mxfp4 else '(scale, zero) pairs'} of the packed "
+                               f"weights' groups of {group})")
+
 
 
 def check_call(call: MoECall) -> MoEProblem:
@@ -346,7 +374,7 @@ def check_call(call: MoECall) -> MoEProblem:
     check_same_device("hidden_states", hidden_states, w1=w1_t, w2=w2_t, topk_weights=topk_weights,
                       topk_ids=topk_ids, expert_map=expert_map, out=out, token_lora_ids=token_lora_ids,
                       w1_bias=w1_bias, w2_bias=w2_bias, w1_scale=s13, w2_scale=s2)
-    if s13 is not None:
+    if w1_t.dtype in FP8_DTYPES:
         if lora is not None:
             raise ValueError("lora with fp8 base weights is not supported yet: pass 16-bit weights with lora")
         supported = target_of(hidden_states.device).fp8_dtypes
@@ -464,7 +492,10 @@ def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str
     mode = ConfigMode(lora=problem.lora is not None, fp8=problem.fp8, deterministic=problem.deterministic)
     shape = ConfigProblem(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
                           problem.topk, problem.x.dtype)
-    return resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
+    config = resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
+    if problem.packed:  # (4-bit weights: the 16-bit pick, its weight tiles fitted to dequantizing in registers)
+        config = fit_packed_config(config, 64 if target.backend == "hip" else 32, lora=problem.lora is not None)
+    return config
 
 
 def plan_for(call: MoECall, problem: MoEProblem, out: torch.Tensor, bindable: bool) -> MoEPlan:

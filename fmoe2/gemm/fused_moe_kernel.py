@@ -37,7 +37,7 @@ from ..grid_dependency import dependent_launch_prologue
 from .activations import _activate
 from .epilogues import _cast_rows_last_added, _store_y, _zeroes_unrouted_rows
 from .fused_lora import _lora_down, _lora_gate_up, _lora_tile, _store_down_shrinks
-from .operands import _add_gate_up_bias, _down_16bit, _gate_up_16bit
+from .operands import _add_gate_up_bias, _down_16bit, _expert_scales, _gate_up_16bit
 from .tiles import (_grouped_program, _kept_slots, _slice_columns, _slot_expert, _slot_rows, _sorted_rows,
                     _tile_expert)
 
@@ -77,39 +77,48 @@ def _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n,
 
 
 @triton.jit
-def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid, route_weight, slice_id, H, I,
-                        stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION: tl.constexpr,
-                        SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expert, token, row_valid, route_weight,
+                        slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+                        GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """``(y, offs_n, n_valid)``: the slice's activated intermediate [BLOCK_M, BLOCK_N] in x's dtype, routing
     weight applied, from 16-bit weights (w1: plain [E, 2I, H], gate rows then up rows; interleaved [E, 2*I_pad,
     H_pad], g0, u0, g1, u1, ...; ``w13_desc``: None, or a tensor descriptor of interleaved w1 viewed [E *
-    2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]; ``w1_bias_ptr``: None or [E, 2I(_pad)] in w1's row order)."""
+    2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]; ``w1_bias_ptr``: None or [E, 2I(_pad)] in w1's row order), or
+    from prepared 4-bit weights (w1 packed [E, 2*I_pad, H_pad // 2] uint8, ``w1_scale_ptr`` their group scales
+    [E, 2*I_pad, ...]: ``operands._packed_weight_tile``; None for 16-bit weights)."""
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
         x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
+    s1_expert, stride_s1_n = None, 0
+    if w1_scale_ptr is not None:
+        s1_expert, stride_s1_n = _expert_scales(w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
     gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                 r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
-                                 GATE_UP_INTERLEAVED, False, 16, None)
+                                 r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     return y, offs_n, n_valid
 
 
 @triton.jit
-def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert, route_weight, slice_id, offs_n,
-                      n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
+                      slice_id, offs_n, n_valid, H, I, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                      WEIGHT_GROUP: tl.constexpr):
     """The slice's down GEMM over all of H added into ``out_rows`` ([BLOCK_M, 1] row pointers), 16-bit w2 [E,
     H(_pad), I(_pad)] (``w2_desc``: None, or a descriptor of w2 viewed [E * H_pad, I_pad], block [BLOCK_H,
     BLOCK_N]), with the down bias (``w2_bias_ptr``: None or [E, H(_pad)]) added by the first slice, times the
-    rows' routing weights."""
+    rows' routing weights. 4-bit weights: w2 packed [E, H_pad, I_pad // 2] with ``w2_scale_ptr`` (None: 16-bit)."""
     b2_expert = None
     if w2_bias_ptr is not None:
         b2_expert = w2_bias_ptr + expert * stride_b2_e
     w2_row0 = (expert * (stride_w2_e // stride_w2_h)).to(tl.int32)
+    s2_expert, stride_s2_n = None, 0
+    if w2_scale_ptr is not None:
+        s2_expert, stride_s2_n = _expert_scales(w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
     _down_16bit(y, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                 y, offs_n, n_valid, w2_desc, w2_row0, slice_id * BLOCK_N, b2_expert,
-                tl.where(slice_id == 0, route_weight, 0.0), BLOCK_M, BLOCK_H, True, False, None)
+                tl.where(slice_id == 0, route_weight, 0.0), s2_expert, stride_s2_n, I, BLOCK_M, BLOCK_H, True, False, None, WEIGHT_GROUP)
 
 
 @triton.jit
@@ -157,6 +166,7 @@ def _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid
 @triton.jit
 def _fused_kernel(
     x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,  # (see _intermediate_16bit, _down_slice_16bit)
+    w1_scale_ptr, w2_scale_ptr,  # None, or the group scales of prepared 4-bit weights (fmoe2/quant4.py)
     out_ptr,  # [M, H], zeroed by the sort launch, receives atomic adds
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
@@ -169,37 +179,42 @@ def _fused_kernel(
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    WEIGHT_GROUP: tl.constexpr,  # K columns per scale of 4-bit weights (unused with 16-bit ones)
 ):
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's results
     expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
         sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
         num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, 1)
     if expert >= 0:
-        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
-                          out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid, route_weight,
-                          H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h,
-                          stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                          GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H)
+        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr,
+                          w2_scale_ptr, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid,
+                          route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e,
+                          stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N,
+                          BLOCK_K, BLOCK_H, WEIGHT_GROUP)
 
 
 @triton.jit
-def _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, out_rows, expert, slice_id,
-                      token, row_valid, route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k,
-                      stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION: tl.constexpr,
+def _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr, w2_scale_ptr,
+                      out_rows, expert, slice_id, token, row_valid, route_weight, H, I, stride_x_m, stride_w1_e,
+                      stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e,
+                      ACTIVATION: tl.constexpr,
                       SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One program's whole fused forward from 16-bit weights: gate/up, activation, down added into ``out_rows``."""
-    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
-                                             route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
-                                             stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                             GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K)
-    _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert, route_weight, slice_id, offs_n,
-                      n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M, BLOCK_N, BLOCK_H)
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      WEIGHT_GROUP: tl.constexpr):
+    """One program's whole fused forward from 16-bit (or prepared 4-bit) weights: gate/up, activation, down added
+    into ``out_rows``."""
+    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expert, token,
+                                             row_valid, route_weight, slice_id, H, I, stride_x_m, stride_w1_e,
+                                             stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M,
+                                             BLOCK_N, BLOCK_K, WEIGHT_GROUP)
+    _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
+                      slice_id, offs_n, n_valid, H, I, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
+                      BLOCK_N, BLOCK_H, WEIGHT_GROUP)
 
 
 @triton.jit
 def _fused_cast_kernel(
-    x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
+    x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr, w2_scale_ptr,
     out_ptr,  # the float32 accumulator [M, H] followed by M int32 add counters, zero (the sort's, or a kept one)
     final_out_ptr,  # [M, H] in x's dtype: each row cast there by the program that adds into it last
     topk_ids_ptr,  # [M * TOPK] int32/int64: each row's expected adds are its kept slots times the slices
@@ -212,6 +227,7 @@ def _fused_cast_kernel(
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    WEIGHT_GROUP: tl.constexpr,
 ):
     """``_fused_kernel`` into a float32 accumulator that it casts itself (``epilogues.py``). Its tiles are the
     sort's, or, for the one-launch decode (no sort launch before it, so no PDL), the one token's top-k slots (tile
@@ -228,11 +244,11 @@ def _fused_cast_kernel(
     if expert >= 0:
         expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid,
                                        num_global_experts, I, BLOCK_N, TOPK, NUM_EXPERTS)
-        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,
-                          out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid, route_weight,
-                          H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h,
-                          stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                          GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H)
+        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr,
+                          w2_scale_ptr, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid,
+                          route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e,
+                          stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N,
+                          BLOCK_K, BLOCK_H, WEIGHT_GROUP)
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
                               stride_final_m, BLOCK_M, BLOCK_H, sorted_token_ids_ptr is None)
 
@@ -243,7 +259,7 @@ def _fused_cast_kernel(
 
 @triton.jit
 def _fused_lora_kernel(
-    x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, out_ptr,
+    x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr, w2_scale_ptr, out_ptr,
     final_out_ptr, topk_ids_ptr, expert_map_ptr,  # None, or as _fused_cast_kernel's (the kernel casts out_ptr)
     token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none
     lora_a13_ptr,  # [L, E, 2*LORA_RANK, H_pad]: gate A rows then up A rows
@@ -265,6 +281,7 @@ def _fused_lora_kernel(
     LORA_IDS: tl.constexpr,  # next_pow2(num_loras)
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand (power of two <= LORA_IDS)
     LORA_STAGES: tl.constexpr,  # pipeline depth of the loops that carry adapter work (tiles without: num_stages)
+    WEIGHT_GROUP: tl.constexpr,
 ):
     """The fused path with multi-LoRA (``fused_lora.py``). Tiles without adapters branch at run time to the
     plain loops; in a batch without any (the sort's ``num_lora_tokens`` is 0) no program loads its rows'
@@ -288,36 +305,44 @@ def _fused_lora_kernel(
     row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
         token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
         (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
+    s1_expert, stride_s1_n = None, 0
+    if w1_scale_ptr is not None:
+        s1_expert, stride_s1_n = _expert_scales(w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
     if num_present == 0:  # run-time branch: tiles without adapters run the plain loops
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                     r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
-                                     GATE_UP_INTERLEAVED, False, 16, None)
+                                     r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None, WEIGHT_GROUP)
         la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)  # (a value leaves a run-time if from both sides)
     else:
         gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
-                                      offs_r, r_valid, I, H, w13_desc, w13_row0, lora_a13_ptr + expert * stride_la13_e,
+                                      offs_r, r_valid, I, H, w13_desc, w13_row0, s1_expert, stride_s1_n,
+                                      lora_a13_ptr + expert * stride_la13_e,
                                       stride_la13_l, stride_la13_r, lora_b13_ptr + expert * stride_lb13_e,
                                       stride_lb13_l, stride_lb13_r, lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r, row_slot,
                                       present, slot_of, num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES)
+                                      GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
                                    I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     out_rows = out_ptr + token[:, None] * stride_out_m
     if num_present == 0:
-        _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, expert, route_weight, slice_id,
-                          offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M, BLOCK_N,
-                          BLOCK_H)
+        _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
+                          slice_id, offs_n, n_valid, H, I, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
+                          BLOCK_N, BLOCK_H, WEIGHT_GROUP)
     else:
         b2_expert = None
         if w2_bias_ptr is not None:
             b2_expert = w2_bias_ptr + expert * stride_b2_e
+        s2_expert, stride_s2_n = None, 0
+        if w2_scale_ptr is not None:
+            s2_expert, stride_s2_n = _expert_scales(w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
         _lora_down(y, la2, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n,
                    n_valid, H, w2_desc, (expert * (stride_w2_e // stride_w2_h)).to(tl.int32), slice_id * BLOCK_N,
                    b2_expert, tl.where(slice_id == 0, route_weight, 0.0), lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
                    lora_b2_ptr + expert * stride_lb2_e, stride_lb2_l, stride_lb2_r, row_slot, present, slot_of,
-                   num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_H, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES)
+                   num_present, row_scale, s2_expert, stride_s2_n, I, BLOCK_M,
+                   BLOCK_N, BLOCK_H, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     if final_out_ptr is not None:
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
                               stride_final_m, BLOCK_M, BLOCK_H, False)
@@ -330,6 +355,7 @@ def _fused_lora_kernel(
 @triton.jit
 def _stage1_kernel(
     x_ptr, w1_ptr, w13_desc, w1_bias_ptr,
+    w1_scale_ptr,  # None, or the group scales of prepared 4-bit weights (fmoe2/quant4.py)
     y_ptr,  # [num_grid_tiles * BLOCK_M, I]: activated, weighted intermediate in sorted row order
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
     num_tokens, H, I, num_grid_tiles,
@@ -340,6 +366,7 @@ def _stage1_kernel(
     # Sorted ids are token * IDS_PER_TOKEN + slot where > 1: the deterministic mode's (its stage 2 then stores
     # one row per (token, slot), fmoe2/gemm/combine_kernel.py)
     IDS_PER_TOKEN: tl.constexpr,
+    WEIGHT_GROUP: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
     expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
@@ -347,16 +374,16 @@ def _stage1_kernel(
         num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
-    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, expert, token, row_valid,
-                                             route_weight, slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n,
-                                             stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                             GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K)
+    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expert, token,
+                                             row_valid, route_weight, slice_id, H, I, stride_x_m, stride_w1_e,
+                                             stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M,
+                                             BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, None, slice_id)
 
 
 @triton.jit
 def _stage1_lora_kernel(
-    x_ptr, w1_ptr, w13_desc, w1_bias_ptr, y_ptr,
+    x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr,
     token_lora_ids_ptr, lora_a13_ptr, lora_b13_ptr, lora_a2_ptr, lora_scaling_ptr,  # as _fused_lora_kernel's
     num_lora_tokens_ptr,
     # Either the gate/up deltas _lora_expand_kernel wrote, [num_grid_tiles * BLOCK_M, >= 2*I] (gate then up per
@@ -365,13 +392,15 @@ def _stage1_lora_kernel(
     lora_delta13_ptr, lora_shrink2_ptr,
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
     num_tokens, H, I, num_grid_tiles, num_loras,
-    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, stride_y_m, stride_delta13_m,
+    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, stride_y_m,
+    stride_delta13_m,
     stride_shrink2_split, stride_la13_l, stride_la13_e, stride_la13_r, stride_lb13_l, stride_lb13_e, stride_lb13_r,
     stride_la2_l, stride_la2_e, stride_la2_r,
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr, IDS_PER_TOKEN: tl.constexpr,
     LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr,
+    WEIGHT_GROUP: tl.constexpr,
 ):
     """Stage 1 with multi-LoRA: adding the deltas the LoRA launches made ready (``lora_kernel.py`` says why), or,
     at decode sizes (``lora_in_stages`` in ``fmoe2/gemm/config.py``; always in deterministic mode), computing them
@@ -387,10 +416,13 @@ def _stage1_lora_kernel(
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
         x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
+    s1_expert, stride_s1_n = None, 0
+    if w1_scale_ptr is not None:
+        s1_expert, stride_s1_n = _expert_scales(w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
     if lora_delta13_ptr is not None:
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                     r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N, BLOCK_K,
-                                     GATE_UP_INTERLEAVED, False, 16, None)
+                                     r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None, WEIGHT_GROUP)
         # Rows without an adapter have no delta (their loads are masked off). Nothing of this runs before or
         # lives across the K loop, and in a batch without adapters none of it runs.
         if batch_has_lora:
@@ -406,17 +438,18 @@ def _stage1_lora_kernel(
             (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
         if num_present == 0:
             gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
-                                         offs_r, r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, BLOCK_M, BLOCK_N,
-                                         BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None)
+                                         offs_r, r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert,
+                                         stride_s1_n, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None,
+                                         WEIGHT_GROUP)
             la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)
         else:
             gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
-                                          offs_r, r_valid, I, H, w13_desc, w13_row0,
+                                          offs_r, r_valid, I, H, w13_desc, w13_row0, s1_expert, stride_s1_n,
                                           lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r,
                                           lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r,
                                           a2_expert, stride_la2_l, stride_la2_r, row_slot, present, slot_of,
                                           num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
-                                          LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES)
+                                          LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, None, slice_id)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..grid_dependency import gdc_wait
+from .operands import _expert_scales, _packed_weight_dequant, _packed_weight_load
 from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
 from .tiles import _grouped_program, _tile_expert
 
@@ -46,13 +47,18 @@ def _k_share_program(pid, num_grid_tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 @triton.jit
 def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, n_valid, stride_b_k, k_first, k_end,
-                     K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     K, bs_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     WEIGHT_GROUP: tl.constexpr):
     """``A[rows] @ B[expert, N block]^T`` over K in ``[k_first, k_end)``, fp32 [BLOCK_M, BLOCK_N]; ``a_rows``
     [BLOCK_M, 1] and ``b_rows`` [BLOCK_N, 1] pointers, or tensor descriptors (None: pointer loads) at rows
     ``a_row0`` and ``b_row0`` (B's rows past this expert's N belong to the next expert: masked at the store;
-    A's past the descriptor's end read as zero)."""
+    A's past the descriptor's end read as zero). ``bs_rows`` (None: 16-bit B): [BLOCK_N] pointers to the group
+    scales of 4-bit B, whose ``b_rows`` then point at packed bytes (``operands._packed_weight_load``)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if bs_rows is not None:  # 4-bit B: the first step's tile, each step then loading the next one's
+        next_packed, next_scales = _packed_weight_load(b_rows, k_first, k_end, n_valid, bs_rows, BLOCK_K,
+                                                       WEIGHT_GROUP)
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
         k_valid = k < K
@@ -60,7 +66,12 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, 
             a = a_desc.load([a_row0, k0])
         else:
             a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        if b_desc is not None:
+        if bs_rows is not None:
+            packed, scales = next_packed, next_scales
+            next_packed, next_scales = _packed_weight_load(b_rows, k0 + BLOCK_K, k_end, n_valid, bs_rows, BLOCK_K,
+                                                           WEIGHT_GROUP)
+            b = _packed_weight_dequant(packed, scales, BLOCK_K, WEIGHT_GROUP, a.dtype)
+        elif b_desc is not None:
             b = b_desc.load([b_row0, k0])
         else:
             b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
@@ -129,7 +140,8 @@ def _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M: tl.co
 @triton.jit
 def _stage2_kernel(
     a_ptr,  # y [num_grid_tiles * BLOCK_M, K] in sorted row order
-    b_ptr,  # w2 [E, N(_pad), K(_pad)]
+    b_ptr,  # w2 [E, N(_pad), K(_pad)] (4-bit: packed [E, N_pad, K_pad // 2] uint8)
+    b_scale_ptr,  # None, or the group scales of 4-bit w2 [E, N_pad, ...] (fmoe2/quant4.py)
     c_ptr,  # out [M, N] (atomic adds), or the deterministic mode's slot rows [M * topk, N] (stores)
     a_desc,  # None, or a tensor descriptor of A, block [BLOCK_M, BLOCK_K]
     b_desc,  # None, or a tensor descriptor of B viewed [E * b_rows_per_expert, K(_pad)], block [BLOCK_N, BLOCK_K]
@@ -147,8 +159,8 @@ def _stage2_kernel(
     b_rows_per_expert,  # B.shape[1] (read with b_desc only)
     num_valid_ids, N, K, num_grid_tiles, num_loras,
     num_shrink_splits,  # I slices of stage 1
-    stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m, stride_shrink_split, stride_lb_l,
-    stride_lb_e, stride_lb_r,
+    stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m,
+    stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r,
     ATOMIC_OUTPUT: tl.constexpr,  # relaxed atomic add at row id (else a store)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the previous launch (CUDA sm_90+)
@@ -158,16 +170,21 @@ def _stage2_kernel(
     LORA_SLOTS: tl.constexpr,  # adapters of one tile stacked into one operand
     LORA_SPLITS_PER_STEP: tl.constexpr,  # partial shrinks loaded per step of their sum
     IDS_PER_TOKEN: tl.constexpr,  # a row's token (for its adapter) is id // IDS_PER_TOKEN
+    WEIGHT_GROUP: tl.constexpr,  # K columns per scale of 4-bit weights (unused with 16-bit ones)
 ):
     expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
         sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
         BLOCK_K, GROUP_M, SPLIT_K, ATOMIC_OUTPUT, PDL)
     if expert < 0:
         return
+    bs_rows = None
+    if b_scale_ptr is not None:  # (laid out like B's packed rows: operands._expert_scales)
+        bs_expert, stride_bs_n = _expert_scales(b_scale_ptr, expert, stride_b_e, stride_b_n, WEIGHT_GROUP)
+        bs_rows = bs_expert + offs_n * stride_bs_n
     acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
                            b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
                            (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
-                           k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K)
+                           k_first, k_end, K, bs_rows, BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     if lora_shrink_ptr is not None:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
         if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):

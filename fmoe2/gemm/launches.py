@@ -21,7 +21,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..fp8 import FP8_GROUP, fp8_constexprs
+from ..fp8 import FP8_DTYPES, FP8_GROUP, fp8_constexprs
 from ..activations import SWIGLU_ALPHA
 from ..launch import LaunchSpec, kernel_parameters
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
@@ -31,6 +31,7 @@ from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
 from . import fp8_weights
 from .fused_moe_kernel import _fused_cast_kernel, _fused_kernel, _fused_lora_kernel, _stage1_kernel, _stage1_lora_kernel
 from .grouped_gemm_kernel import _stage2_kernel
+from .layout import weight_format_of
 from .lora import PreparedMoELoRA
 from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 
@@ -54,7 +55,8 @@ class MoEProblem:
     swiglu_alpha: float = SWIGLU_ALPHA  # swiglu_oai's alpha (the default elsewhere)
     swiglu_limit: Optional[float] = None  # clamp of gate and up before silu / swiglu_oai
     # fp8 weights (fmoe2/fp8.py): [E, Sn, Sk] float32 scale views of w1 (checkpoint row order) and w2, and the
-    # weights' scale block (block_n, block_k); None for 16/32-bit weights
+    # weights' scale block (block_n, block_k); None for 16/32-bit weights. Prepared 4-bit weights (uint8 w1/w2,
+    # fmoe2/quant4.py): their group scales in the weights' row order, scale_block (1, group)
     w1_scale: Optional[torch.Tensor] = None
     w2_scale: Optional[torch.Tensor] = None
     scale_block: Optional[Tuple[int, int]] = None
@@ -68,12 +70,18 @@ class MoEProblem:
 
     @property
     def fp8(self) -> bool:
-        return self.w1_scale is not None
+        return self.w1.dtype in FP8_DTYPES
+
+    @property
+    def packed(self) -> bool:
+        """Prepared 4-bit weights (mxfp4, int4): the 16-bit kernels dequantize them in their operand loader."""
+        return self.w1.dtype == torch.uint8
 
     @property
     def weight_format(self) -> str:
-        """``"16bit"`` (bf16/fp16/fp32) or the name of the format in :data:`WEIGHT_FORMATS`."""
-        return "fp8" if self.fp8 else "16bit"
+        """``"16bit"`` (bf16/fp16/fp32), ``"mxfp4"``/``"int4"`` (:attr:`packed`, run by the 16-bit entries) or the
+        name of a format in :data:`WEIGHT_FORMATS` (its own entries)."""
+        return weight_format_of(self.w1, self.w1_scale)
 
 
 def grid_tiles(problem: MoEProblem, block_m: int) -> int:
@@ -159,8 +167,8 @@ def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, target: Target) -> 
     bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
     load compiled to 2-byte loads, so HIP keeps its pointer loads. fp32 (a testing dtype) keeps
     pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90.
-    fp8 weights keep pointer loads (descriptors not measured with them yet)."""
-    return (config.tma and target.backend == "cuda" and problem.gate_up_interleaved and not problem.fp8
+    fp8 and 4-bit weights keep pointer loads (descriptors not measured with them yet)."""
+    return (config.tma and target.backend == "cuda" and problem.gate_up_interleaved and problem.w1.dtype == problem.x.dtype
             and problem.x.dtype in (torch.bfloat16, torch.float16)
             and problem.w1.is_contiguous() and problem.w2.is_contiguous())
 
@@ -354,6 +362,7 @@ def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoES
         stride_w1_k=problem.w1.stride(2), stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1),
         stride_w2_i=problem.w2.stride(2), stride_out_m=out.stride(0),
         w1_bias_ptr=problem.w1_bias, w2_bias_ptr=problem.w2_bias,
+        **_packed_scale_values(problem),
         stride_b1_e=problem.w1_bias.stride(0) if problem.w1_bias is not None else None,
         stride_b2_e=problem.w2_bias.stride(0) if problem.w2_bias is not None else None,
         stride_y_m=y.stride(0) if y is not None else None,
@@ -375,6 +384,15 @@ def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoES
     if delta13 is not None:  # the adapters' deltas come ready: stage 1 reads none of their operands
         values.update({name: None for name in ("lora_a13_ptr", "lora_b13_ptr", "lora_a2_ptr", "lora_scaling_ptr")})
     return values
+
+
+def _packed_scale_values(problem: MoEProblem) -> dict:
+    """The group scales of prepared 4-bit weights as the 16-bit entries take them (None without: 16-bit weights;
+    fp8's module gives its own), and their group (WEIGHT_GROUP). The kernels derive the scales' strides from the
+    packed weights' (``fused_moe_kernel._expert_scales``)."""
+    if not problem.packed:
+        return dict(w1_scale_ptr=None, w2_scale_ptr=None, WEIGHT_GROUP=1)
+    return dict(w1_scale_ptr=problem.w1_scale, w2_scale_ptr=problem.w2_scale, WEIGHT_GROUP=problem.scale_block[1])
 
 
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,
@@ -518,6 +536,7 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
         K=problem.intermediate_size, num_grid_tiles=num_grid_tiles, stride_a_m=y.stride(0),
         stride_b_e=problem.w2.stride(0), stride_b_n=problem.w2.stride(1), stride_b_k=problem.w2.stride(2),
         stride_c_m=c.stride(0), bias_ptr=bias, stride_bias_e=bias.stride(0) if bias is not None else None,
+        b_scale_ptr=problem.w2_scale if problem.packed else None, WEIGHT_GROUP=problem.scale_block[1] if problem.packed else 1,
         row_weights_ptr=sorting.sorted_weights if bias is not None else None,
         ATOMIC_OUTPUT=not deterministic, BLOCK_M=config.BLOCK_M, BLOCK_N=config.S2_BLOCK_N, BLOCK_K=config.S2_BLOCK_K,
         GROUP_M=config.S2_GROUP_M, PDL=pdl, SPLIT_K=config.S2_SPLIT_K,

@@ -19,9 +19,16 @@ vectorised for odd sizes. Padding is zero and the kernel masks by the logical H 
 result is the same as with the plain layout (with ``FusedMoEConfig.tma`` the weight tiles are not
 masked: their padding meets zeros of x or y instead, so it must be finite, as the zeros written
 here are).
+
+4-bit weights (``fmoe2/quant4.py``: mxfp4, int4) are prepared the same way with their K dimension packed two
+values per byte (``w13 [E, 2*I_pad, H_pad // 2]``, ``w2 [E, H_pad, I_pad // 2]`` uint8) and their group scales
+in the weights' row order: mxfp4 ``s13 [E, 2*I_pad, H_pad // 32]`` uint8 e8m0, int4 ``s13 [E, 2*I_pad, H_pad //
+G, 2]`` holding (scale, zero) per group in the scales' dtype; ``scale_block`` is ``(1, G)``. H_pad and I_pad
+are then multiples of the group too; padded scales are zero, so padded values dequantize to zero.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -30,6 +37,7 @@ from einops import rearrange
 
 from .._validation import FLOAT_DTYPES, check_tensor
 from ..fp8 import FP8_DTYPES, check_block_shape, to_e4m3fnuz, weight_scale_view
+from .. import quant4
 
 
 def _round_up(x: int, m: int) -> int:
@@ -47,14 +55,30 @@ class PreparedMoEWeights:
     b13: Optional[torch.Tensor] = None  # [E, 2*I_pad] gate/up bias, interleaved like w13's rows, zero padded
     b2: Optional[torch.Tensor] = None  # [E, H_pad] down bias, zero padded
     # fp8 weights: float32 scale views [E, Sn, Sk] of w1 (the checkpoint's row order: the kernels map
-    # interleaved rows back) and w2, and their block shape (block_n, block_k) (fmoe2/fp8.py)
+    # interleaved rows back) and w2, and their block shape (block_n, block_k) (fmoe2/fp8.py). 4-bit weights
+    # (uint8 w13/w2): their group scales in w13's / w2's row order (module docstring), scale_block (1, group)
     s13: Optional[torch.Tensor] = None
     s2: Optional[torch.Tensor] = None
     scale_block: Optional[Tuple[int, int]] = None
 
     @property
+    def weight_format(self) -> str:
+        """``"16bit"``, ``"fp8"``, or a 4-bit format of ``fmoe2/quant4.py``: ``"mxfp4"`` (uint8 scales), ``"int4"``."""
+        return weight_format_of(self.w13, self.s13)
+
+    @property
     def fp8(self) -> bool:
-        return self.s13 is not None
+        return self.weight_format == "fp8"
+
+    @property
+    def packed(self) -> bool:
+        """4-bit weights, two values per byte along K."""
+        return self.weight_format in quant4.PACKED_FORMATS
+
+    @property
+    def group_size(self) -> Optional[int]:
+        """K columns per scale of 4-bit weights (None otherwise)."""
+        return self.scale_block[1] if self.packed else None
 
     @property
     def num_experts(self) -> int:
@@ -69,11 +93,25 @@ class PreparedMoEWeights:
         return self.w13.device
 
     def unprepare(self):
-        """Returns ``(w1 [E, 2I, H], w2 [E, H, I])`` in the plain layout (for references/tests)."""
+        """Returns ``(w1 [E, 2I, H], w2 [E, H, I])`` in the plain layout (for references/tests); 4-bit weights
+        dequantized to float32."""
         H, inter = self.hidden_size, self.intermediate_size
-        gate_up = rearrange(self.w13, "e (i two) h -> e two i h", two=2)[:, :, :inter, :H]
+        w13, w2 = self.w13, self.w2
+        if self.packed:
+            w13, w2 = self.dequantized()
+        gate_up = rearrange(w13, "e (i two) h -> e two i h", two=2)[:, :, :inter, :H]
         w1 = rearrange(gate_up, "e two i h -> e (two i) h").contiguous()
-        return w1, self.w2[:, :H, :inter].contiguous()
+        return w1, w2[:, :H, :inter].contiguous()
+
+    def dequantized(self, dtype: torch.dtype = torch.float32):
+        """``(w13, w2)`` of 4-bit weights dequantized to ``dtype``, in the prepared (interleaved, padded) layout."""
+        if self.weight_format == "mxfp4":
+            return (quant4.dequantize_mxfp4(self.w13, self.s13, dtype), quant4.dequantize_mxfp4(self.w2, self.s2, dtype))
+        if self.weight_format == "int4":
+            group = self.group_size
+            return tuple(quant4.dequantize_int4(w, s[..., 0], s[..., 1], group, dtype)
+                         for w, s in ((self.w13, self.s13), (self.w2, self.s2)))
+        raise ValueError(f"dequantized() is for 4-bit weights; these are {self.weight_format}")
 
     def unprepare_biases(self):
         """Returns ``(w1_bias [E, 2I] gate then up, w2_bias [E, H])`` (None where there is none)."""
@@ -84,11 +122,19 @@ class PreparedMoEWeights:
         return b1, self.b2[:, :H].contiguous() if self.b2 is not None else None
 
 
+def weight_format_of(w: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
+    """The format of weights ``w`` with ``scale`` (see :attr:`PreparedMoEWeights.weight_format`)."""
+    if w.dtype == torch.uint8:
+        return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "int4"
+    return "fp8" if w.dtype in FP8_DTYPES else "16bit"
+
+
 def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_bias: Optional[torch.Tensor] = None,
                     w2_bias: Optional[torch.Tensor] = None, gate_up_interleaved: bool = False,
                     w1_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
                     block_shape: Optional[Tuple[int, int]] = None,
-                    fp8_dtype: Optional[torch.dtype] = None) -> PreparedMoEWeights:
+                    fp8_dtype: Optional[torch.dtype] = None, w1_zero: Optional[torch.Tensor] = None,
+                    w2_zero: Optional[torch.Tensor] = None) -> PreparedMoEWeights:
     """Converts plain ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` (any strides) to the prepared layout.
 
     ``w1_bias [E, 2I]`` and ``w2_bias [E, H]``: optional biases, ``w1_bias`` in ``w1``'s row order.
@@ -102,7 +148,24 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     ``fp8_dtype``: the fp8 dtype to prepare them in; None: theirs, unless the weights' GPU takes only
     e4m3fnuz (gfx942), where e4m3fn weights are converted (exactly, their scales doubled:
     :func:`fmoe2.fp8.to_e4m3fnuz`).
+
+    4-bit weights (``fmoe2/quant4.py``) are uint8, two values per byte along K: ``w1 [E, 2I, H // 2]`` and ``w2 [E,
+    H, I // 2]`` (mxfp4 also as transformers' ``*_blocks [E, N, K // 32, 16]``), with their group scales:
+
+    * mxfp4: ``w1_scale [E, 2I, H // 32]`` and ``w2_scale [E, H, I // 32]``, uint8 e8m0 (transformers'
+      ``*_scales``);
+    * int4: ``w1_scale [E, 2I, H // G]`` and ``w2_scale [E, H, I // G]`` (fp16/bf16/fp32, G = 32, 64 or 128), and
+      their zero points ``w1_zero`` / ``w2_zero`` of the same shapes (integers in [0, 16); None: symmetric, 8).
+      GPTQ and AWQ layers convert with :func:`fmoe2.quant4.from_gptq` / :func:`~fmoe2.quant4.from_awq`.
+
+    H and I must be multiples of the group. Biases of 4-bit weights may be in any float dtype (gpt-oss keeps
+    float32 ones); they are added in float32.
     """
+    if any(isinstance(w, torch.Tensor) and w.dtype == torch.uint8 for w in (w1, w2)):
+        return _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_scale, w2_scale, w1_zero,
+                               w2_zero, block_shape, fp8_dtype)
+    if w1_zero is not None or w2_zero is not None:
+        raise ValueError(f"w1_zero/w2_zero go with int4 weights (uint8, packed); w1 is {w1.dtype}")
     check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
     E, two_i, H = w1.shape
     if two_i % 2:
@@ -186,3 +249,109 @@ def checked_weight_scales(w1: torch.Tensor, w2: torch.Tensor, w1_scale, w2_scale
         if scale.device != w1.device:
             raise ValueError(f"{name} is on {scale.device} but w1 is on {w1.device}")
     return s13, s2, (bn, bk)
+
+
+def _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_scale, w2_scale, w1_zero, w2_zero,
+                    block_shape, fp8_dtype) -> PreparedMoEWeights:
+    """:func:`prepare_weights` of 4-bit weights (its docstring): checks the packing, the scales' shapes and dtypes,
+    then interleaves and pads rows as for 16-bit weights and pads K to a multiple of the group."""
+    if block_shape is not None or fp8_dtype is not None:
+        raise ValueError("block_shape and fp8_dtype go with fp8 weights, not with 4-bit (uint8) weights")
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8:
+            raise TypeError(f"4-bit weights are uint8 (two values per byte): {name} is "
+                            f"{getattr(w, 'dtype', type(w).__name__)}")
+    # transformers' mxfp4 blocks [E, N, K // 32, 16]: the same bytes as [E, N, K // 2]
+    w1 = w1.flatten(2) if w1.dim() == 4 else w1
+    w2 = w2.flatten(2) if w2.dim() == 4 else w2
+    check_tensor("w1", w1, ndim=3, shape_doc="[E, 2I, H // 2] (uint8, two values per byte)", contiguous=False)
+    E, two_i, h_half = w1.shape
+    if two_i % 2:
+        raise ValueError(f"w1 must have shape [E, 2I, H // 2] (gate and up rows), got {tuple(w1.shape)}")
+    H, inter = 2 * h_half, two_i // 2
+    check_tensor("w2", w2, shape=(E, H, None), shape_doc=f"[E, H, I // 2] = [{E}, {H}, I // 2]", contiguous=False)
+    if 2 * w2.shape[2] != inter:
+        raise ValueError(f"w2 must have shape [E, H, I // 2] = {[E, H, inter // 2]} (I = {inter} from w1's rows), "
+                         f"got {tuple(w2.shape)}")
+    for name, t in (("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale), ("w1_zero", w1_zero),
+                    ("w2_zero", w2_zero), ("w1_bias", w1_bias), ("w2_bias", w2_bias)):
+        if isinstance(t, torch.Tensor) and t.device != w1.device:
+            raise ValueError(f"{name} is on {t.device} but w1 is on {w1.device}")
+    if w1_scale is None or w2_scale is None:
+        raise ValueError("4-bit weights need their group scales: w1_scale and w2_scale (mxfp4: uint8 e8m0 [E, N, "
+                         "K // 32]; int4: float [E, N, K // group])")
+    check_tensor("w1_scale", w1_scale, ndim=3, shape=(E, two_i, None), shape_doc=f"[E, 2I, H // group] = "
+                 f"[{E}, {two_i}, {H} // group]", contiguous=False)
+    mxfp4 = w1_scale.dtype == torch.uint8
+    if mxfp4:
+        group = quant4.MXFP4_GROUP
+        if w1_zero is not None or w2_zero is not None:
+            raise ValueError("mxfp4 weights have no zero points: w1_zero/w2_zero go with int4 weights")
+        scale_dtypes = (torch.uint8,)
+    else:
+        check_tensor("w1_scale", w1_scale, dtypes=FLOAT_DTYPES + (torch.uint8,), contiguous=False)
+        if w1_scale.shape[2] < 1 or H % w1_scale.shape[2] or H // w1_scale.shape[2] not in quant4.INT4_GROUPS:
+            raise ValueError(f"w1_scale [E, 2I, H // group] has {w1_scale.shape[2]} groups for H={H}: int4 groups "
+                             f"are {quant4.INT4_GROUPS} columns")
+        group = H // w1_scale.shape[2]
+        scale_dtypes = (w1_scale.dtype,)
+    for name, k in (("H", H), ("I", inter)):
+        if k % group:
+            raise ValueError(f"{'mxfp4' if mxfp4 else 'int4'} weights need {name} a multiple of the group "
+                             f"({group}), got {name}={k}")
+    check_tensor("w1_scale", w1_scale, dtypes=scale_dtypes, shape=(E, two_i, H // group),
+                 shape_doc=f"[E, 2I, H // {group}] = {[E, two_i, H // group]}", contiguous=False)
+    check_tensor("w2_scale", w2_scale, dtypes=scale_dtypes, shape=(E, H, inter // group),
+                 shape_doc=f"[E, H, I // {group}] = {[E, H, inter // group]} (the dtype of w1_scale)", contiguous=False)
+    zeros = [w1_zero, w2_zero]
+    if not mxfp4:
+        if (w1_zero is None) != (w2_zero is None):
+            raise ValueError("w1_zero and w2_zero go together (both None: symmetric int4, zero 8)")
+        for i, (name, z, scale) in enumerate((("w1_zero", w1_zero, w1_scale), ("w2_zero", w2_zero, w2_scale))):
+            if z is None:
+                zeros[i] = torch.full(scale.shape, quant4.INT4_SYMMETRIC_ZERO, dtype=scale.dtype, device=scale.device)
+                continue
+            check_tensor(name, z, shape=tuple(scale.shape), shape_doc=f"{list(scale.shape)} like its scale",
+                         contiguous=False)
+            if z.is_floating_point() and not torch.equal(z, z.round()):
+                raise ValueError(f"{name} must hold integer zero points")
+            if z.numel() and (int(z.min()) < 0 or int(z.max()) > 15):
+                raise ValueError(f"{name} must hold zero points in [0, 16), got [{int(z.min())}, {int(z.max())}]")
+    for name, bias, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
+        if bias is not None:
+            check_tensor(name, bias, dtypes=FLOAT_DTYPES, shape=shape, shape_doc=f"{list(shape)}", contiguous=False)
+    if pad_to < 1:
+        raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+    k_multiple = pad_to * group // math.gcd(pad_to, group)
+    h_pad, i_pad = _round_up(H, k_multiple), _round_up(inter, k_multiple)
+    order = "e (i two) k -> e two i k" if gate_up_interleaved else "e (two i) k -> e two i k"
+
+    def rows_interleaved(t, k_pad):  # [E, 2I, k(, 2)] -> [E, 2*I_pad, k_pad(, 2)], rows interleaved, zero padded
+        out = t.new_zeros(E, 2, i_pad, k_pad, *t.shape[3:])
+        out[:, :, :inter, :t.shape[2]] = rearrange(t, order.replace(" k", " k ..."), two=2)
+        return rearrange(out, "e two i k ... -> e (i two) k ...").contiguous()
+
+    def padded(t, rows, k_pad):  # [E, H, k] -> [E, H_pad, k_pad]
+        out = t.new_zeros(E, rows, k_pad, *t.shape[3:])
+        out[:, :t.shape[1], :t.shape[2]] = t
+        return out
+
+    if mxfp4:
+        s13, s2 = w1_scale, w2_scale
+    else:  # (scale, zero) side by side, in the scales' dtype
+        s13 = torch.stack([w1_scale, zeros[0].to(w1_scale.dtype)], dim=-1)
+        s2 = torch.stack([w2_scale, zeros[1].to(w2_scale.dtype)], dim=-1)
+    w13 = rows_interleaved(w1, h_pad // 2)
+    s13 = rows_interleaved(s13, h_pad // group)
+    w2p = padded(w2, h_pad, i_pad // 2).contiguous()
+    s2 = padded(s2, h_pad, i_pad // group).contiguous()
+    b13 = b2 = None
+    if w1_bias is not None:
+        b13 = w1_bias.new_zeros(E, 2, i_pad)
+        b13[:, :, :inter] = rearrange(w1_bias, order.replace(" k", ""), two=2)
+        b13 = rearrange(b13, "e two i -> e (i two)").contiguous()
+    if w2_bias is not None:
+        b2 = w2_bias.new_zeros(E, h_pad)
+        b2[:, :H] = w2_bias
+    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2, s13=s13,
+                              s2=s2, scale_block=(1, group))

@@ -12,16 +12,119 @@ import triton.language as tl
 from .lora_kernel import _shrink_step
 
 
+# ---------------------------------------------------------------------------------------------
+# 4-bit weights (fmoe2/quant4.py): the operand loader that dequantizes them into the 16-bit loops
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _e2m1_values(code):
+    """float32 values of e2m1 codes (int32 in [0, 16), bit 3 the sign), built as bits: a magnitude code m >= 2 is
+    exponent ``m >> 1`` and mantissa ``m & 1``, i.e. float32 bits ``(m << 22) + (126 << 23)``; m = 1 is 0.5."""
+    magnitude = code & 7
+    bits = tl.where(magnitude >= 2, (magnitude << 22) + (126 << 23), magnitude * (126 << 23))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _uint4_values(code):
+    """float32 values of int4 codes (int32 in [0, 16)): ``2**23 + code`` has the code in its low mantissa bits."""
+    return (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _packed_weight_load(w_rows, k0, K, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """``(packed, scales)``: the raw bytes [ROWS, BLOCK_K // 2] and group scales of a 4-bit weight tile at columns
+    ``[k0, k0 + BLOCK_K)`` (``k0`` a multiple of BLOCK_K), for :func:`_packed_weight_dequant`. ``w_rows``: [ROWS, 1]
+    pointers to the rows' packed bytes (two columns per byte, the even one in the low nibble); ``s_rows``: [ROWS]
+    pointers to the rows' scales, uint8 e8m0 (mxfp4) or (scale, zero) pairs (int4), one per GROUP columns.
+    Columns at or past K, and invalid rows, load as zero bytes and scales (a tile wholly past K: all zero, so the
+    loops may load the next step's tile ahead)."""
+    ROWS: tl.constexpr = rows_valid.shape[0]
+    MXFP4: tl.constexpr = s_rows.dtype.element_ty == tl.uint8
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_rows + kb[None, :], mask=rows_valid[:, None] & (kb < (K + 1) // 2)[None, :], other=0)
+    if BLOCK_K >= GROUP:  # BLOCK_K // GROUP groups per step
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        g_mask = rows_valid[:, None] & (g < tl.cdiv(K, GROUP))[None, :]
+        if MXFP4:
+            scales = tl.load(s_rows[:, None] + g[None, :], mask=g_mask, other=0)
+        else:
+            scales = tl.load(s_rows[:, None, None] + (2 * g)[None, :, None] + tl.arange(0, 2)[None, None, :],
+                             mask=g_mask[:, :, None], other=0.0)
+    else:  # one group over several steps
+        g = k0 // GROUP
+        g_mask = rows_valid & ((tl.zeros([ROWS], dtype=tl.int32) + k0) < K)
+        if MXFP4:
+            scales = tl.load(s_rows + g, mask=g_mask, other=0)
+        else:
+            scales = tl.load(s_rows[:, None] + 2 * g + tl.arange(0, 2)[None, :], mask=g_mask[:, None], other=0.0)
+    return packed, scales
+
+
+@triton.jit
+def _packed_weight_dequant(packed, scales, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):
+    """The [ROWS, BLOCK_K] tile in ``dtype`` of :func:`_packed_weight_load`'s ``(packed, scales)``: mxfp4 ``e2m1 *
+    2**(s - 127)`` (the scale 0 reads as 0), int4 ``(q - zero) * scale``, exact in float32 before the rounding to
+    ``dtype`` (which the mxfp4 values never need)."""
+    ROWS: tl.constexpr = packed.shape[0]
+    MXFP4: tl.constexpr = scales.dtype == tl.uint8
+    packed = packed.to(tl.int32)
+    if MXFP4:
+        w = tl.join(_e2m1_values(packed & 15), _e2m1_values(packed >> 4))
+    else:
+        w = tl.join(_uint4_values(packed & 15), _uint4_values(packed >> 4))
+    w = tl.reshape(w, [ROWS, BLOCK_K])  # (column 2j from the low nibble, 2j + 1 from the high one)
+    if BLOCK_K >= GROUP:
+        w = tl.reshape(w, [ROWS, BLOCK_K // GROUP, GROUP])
+        if MXFP4:
+            w = w * (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]
+        else:
+            scale, zero = tl.split(scales.to(tl.float32))
+            w = (w - zero[:, :, None]) * scale[:, :, None]
+        w = tl.reshape(w, [ROWS, BLOCK_K])
+    else:
+        if MXFP4:
+            w = w * (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, None]
+        else:
+            scale, zero = tl.split(scales.to(tl.float32))
+            w = (w - zero[:, None]) * scale[:, None]
+    return w.to(dtype)
+
+
+@triton.jit
+def _packed_weight_tile(w_rows, k0, K, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                        dtype: tl.constexpr):
+    """A [ROWS, BLOCK_K] weight tile of 4-bit weights dequantized to ``dtype``: :func:`_packed_weight_load` then
+    :func:`_packed_weight_dequant` (the K loops load one step ahead instead: Triton's pipeliner does not stage a
+    load whose value is converted before the dot, and a load waited for at every step left the 4-bit forward
+    latency-bound)."""
+    packed, scales = _packed_weight_load(w_rows, k0, K, rows_valid, s_rows, BLOCK_K, GROUP)
+    return _packed_weight_dequant(packed, scales, BLOCK_K, GROUP, dtype)
+
+
+@triton.jit
+def _expert_scales(scale_ptr, expert, stride_w_e, stride_w_n, WEIGHT_GROUP: tl.constexpr):
+    """``(scales, stride_s_n)``: the expert's group scales of prepared 4-bit weights (``scale_ptr`` not None) and
+    their row stride, from the packed weights' strides (the scales are laid out like the packed rows, contiguous:
+    ``fused_moe.check_packed_scales``). Callers keep None for 16-bit weights (a tuple holding None does not
+    compile)."""
+    PER_GROUP: tl.constexpr = 1 if scale_ptr.dtype.element_ty == tl.uint8 else 2  # e8m0, or (scale, zero)
+    stride_s_n = stride_w_n * 2 // WEIGHT_GROUP * PER_GROUP
+    return scale_ptr + expert * (stride_w_e // stride_w_n * stride_s_n), stride_s_n
+
+
 @triton.jit
 def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
-                   la_rows, la_used, w13_desc, w13_row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr, WITH_LORA: tl.constexpr,
-                   STACK: tl.constexpr, STAGES: tl.constexpr):
+                   la_rows, la_used, w13_desc, w13_row0, s1_expert, stride_s1_n, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
+                   WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice, 16-bit weights.
 
     ``x_rows``: [BLOCK_M, 1] row pointers of x. STAGES: pipeline depth of the K loop (None: the launch's
     num_stages). ``w13_desc`` (interleaved weights only; None: pointer loads): a tensor descriptor the weight
-    tiles come through, this slice's first row at ``w13_row0``.
+    tiles come through, this slice's first row at ``w13_row0``. ``s1_expert`` (None: 16-bit weights): the
+    expert's group scales of prepared 4-bit weights (interleaved rows ``stride_s1_n`` apart, WEIGHT_GROUP columns
+    per scale), dequantized by :func:`_packed_weight_tile`.
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded); returned third (zeros without).
@@ -31,11 +134,19 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
     if GATE_UP_INTERLEAVED:
         w_rows = w1_expert + offs_r[:, None] * stride_w1_n
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        if s1_expert is not None:  # 4-bit weights: the first step's tile, each step then loading the next one's
+            s_rows = s1_expert + offs_r * stride_s1_n
+            next_packed, next_scales = _packed_weight_load(w_rows, 0, H, r_valid, s_rows, BLOCK_K, WEIGHT_GROUP)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            if w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
+            if s1_expert is not None:
+                packed, scales = next_packed, next_scales
+                next_packed, next_scales = _packed_weight_load(w_rows, k0 + BLOCK_K, H, r_valid, s_rows, BLOCK_K,
+                                                               WEIGHT_GROUP)
+                b = _packed_weight_dequant(packed, scales, BLOCK_K, WEIGHT_GROUP, a.dtype)
+            elif w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
                 b = w13_desc.load([w13_row0, k0])
             else:
                 b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :], other=0.0)
@@ -44,6 +155,7 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
+        tl.static_assert(s1_expert is None, "4-bit weights are prepared, with interleaved gate/up rows")
         gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
         up_rows = gate_rows + I * stride_w1_n
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -78,8 +190,9 @@ def _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAV
 
 @triton.jit
 def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, ds_stacked, lb2_rows,
-                lb2_used, w2_desc, w2_row0, slice_col0, b2_expert, bias_weight, BLOCK_M: tl.constexpr,
-                BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr, STAGES: tl.constexpr):
+                lb2_used, w2_desc, w2_row0, slice_col0, b2_expert, bias_weight, s2_expert, stride_s2_n, I,
+                BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr,
+                STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2t[lb2_rows]), over H in BLOCK_H chunks, atomically.
 
     ``b2_expert`` (None: no bias; WITH_BASE only): the down bias of the rows' expert, added times
@@ -88,14 +201,27 @@ def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs
     ``lb2_rows``: [STACK] pointers to the stacked rows of B2t ([R, H], H contiguous) at h = 0;
     WITH_BASE=False adds only the LoRA term (further slot groups); STAGES: pipeline depth (None:
     the launch's num_stages). ``w2_desc`` (None: pointer loads): a tensor descriptor the weight
-    tiles come through, at (``w2_row0 + h``, ``slice_col0``).
+    tiles come through, at (``w2_row0 + h``, ``slice_col0``). ``s2_expert`` (None: 16-bit weights): the expert's
+    group scales of prepared 4-bit weights (rows ``stride_s2_n`` apart), whose columns end at I.
     """
     offs_h0 = tl.arange(0, BLOCK_H)
+    if WITH_BASE and s2_expert is not None:  # 4-bit weights: the first chunk's tile, each step loading the next's
+        next_packed, next_scales = _packed_weight_load(w2_expert + offs_h0[:, None] * stride_w2_h, slice_col0, I,
+                                                       offs_h0 < H, s2_expert + offs_h0 * stride_s2_n, y.shape[1],
+                                                       WEIGHT_GROUP)
     for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         offs_h = h0 + offs_h0
         h_valid = offs_h < H
         if WITH_BASE:
-            if w2_desc is not None:
+            if s2_expert is not None:
+                packed, scales = next_packed, next_scales
+                offs_next = offs_h + BLOCK_H
+                next_packed, next_scales = _packed_weight_load(w2_expert + offs_next[:, None] * stride_w2_h,
+                                                               slice_col0, I, offs_next < H,
+                                                               s2_expert + offs_next * stride_s2_n, y.shape[1],
+                                                               WEIGHT_GROUP)
+                w = _packed_weight_dequant(packed, scales, y.shape[1], WEIGHT_GROUP, y.dtype)
+            elif w2_desc is not None:
                 w = w2_desc.load([w2_row0 + h0, slice_col0])
             else:
                 w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :] * stride_w2_i,

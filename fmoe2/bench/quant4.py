@@ -1,0 +1,170 @@
+"""4-bit expert weights against 16-bit ones: ``python -m fmoe2.bench.quant4``.
+
+    python -m fmoe2.bench.quant4 [--shapes gpt-oss-120b,gpt-oss-20b] [--format mxfp4] [--m 1,16,128,1024,4096]
+                                 [--out misc/bench/quant4/<device>-mxfp4.json]
+
+Per shape and batch size, in one run on one GPU (CUDA graphs, CUDA events, median; the variants' graphs take
+turns, so ratios compare like with like), uniform random routing:
+
+* ``bf16``: fmoe2's forward on 16-bit weights (``path="auto"``, sort included);
+* ``<format>``: fmoe2's forward on the same weights' 4-bit prepared form (mxfp4, or int4 with groups of 128 and
+  fp16 (scale, zero) pairs: ``fmoe2/quant4.py``), dequantized in the kernels' operand loader;
+* ``vllm-w4a16``: the benchmark's vLLM-style baseline (``fmoe2/bench/vllm_style.py``: align, two grouped GEMMs,
+  activation and top-k sum kernels) on the same 4-bit weights, dequantized in its GEMMs' K loops as vLLM's wna16
+  kernel does, with vLLM's default config rule for an untuned shape.
+
+Each variant is first checked against the float32 reference on the dequantized 4-bit weights (relative L2 error;
+the bf16 forward against the reference of its own weights). The floor is the 4-bit forward's: the bytes of the
+experts hit (at the format's bits per value, scales included) and of the activations, over the measured copy
+bandwidth (``python -m fmoe2.bench``'s ceilings). The weights are random (quantized from random bf16 weights, one
+expert at a time), never zero.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Dict, List
+
+import torch
+
+import fmoe2
+from .. import quant4
+from ..shapes import ALL_SHAPES as SHAPES
+from .__main__ import floor_us, measure_ceilings
+from .provenance import provenance_line, run_record, write_result
+from .timing import time_graphs_in_turns
+from .vllm_style import vllm_default_config, vllm_style_fused_experts
+
+FORMATS = {"mxfp4": dict(group=quant4.MXFP4_GROUP), "int4": dict(group=128)}
+TOLERANCE = 2.5e-2  # bf16 activations: the 16-bit bound of tests/helpers.py
+
+
+def _quantized_expertwise(fmt: str, w: torch.Tensor):
+    """``(packed, scale, zero)`` of ``w [E, N, K]``, one expert at a time (a layer's float32 temporaries of the
+    rounding would not fit)."""
+    parts = []
+    for e in range(w.shape[0]):
+        if fmt == "mxfp4":
+            parts.append((*quant4.quantize_mxfp4(w[e]), None))
+        else:
+            parts.append(quant4.quantize_int4(w[e].half(), FORMATS[fmt]["group"]))
+    return tuple(torch.stack([p[i] for p in parts]) if parts[0][i] is not None else None for i in range(3))
+
+
+class Weights:
+    """One shape's weights: bf16 plain, 4-bit prepared for fmoe2, 4-bit plain for the baseline."""
+
+    def __init__(self, name: str, fmt: str, gen: torch.Generator):
+        self.name, self.fmt = name, fmt
+        self.E, self.H, self.I, self.topk = SHAPES[name]
+        E, H, I = self.E, self.H, self.I
+        w1 = (torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)).to("cuda", torch.bfloat16)
+        w2 = (torch.randn(E, H, I, generator=gen) / math.sqrt(I)).to("cuda", torch.bfloat16)
+        self.bf16 = fmoe2.prepare_weights(w1, w2)
+        (p1, s1, z1), (p2, s2, z2) = _quantized_expertwise(fmt, w1), _quantized_expertwise(fmt, w2)
+        del w1, w2
+        self.packed = fmoe2.prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2)
+        # The baseline's layout: gate rows then up rows, unpadded, scales laid out like the packed rows.
+        self.group = self.packed.group_size
+        self.baseline = (p1, p2, self.packed_scales(s1, z1), self.packed_scales(s2, z2))
+        self.bits_per_value = 8 * sum(t.numel() * t.element_size() for t in (p1, p2, *self.baseline[2:])) / (
+            3 * E * H * I)
+
+    def packed_scales(self, scale, zero):
+        if self.fmt == "mxfp4":
+            return scale.contiguous()
+        return torch.stack([scale, (zero if zero is not None else torch.full_like(scale, 8)).to(scale.dtype)],
+                           dim=-1).contiguous()
+
+
+def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Generator) -> dict:
+    x = torch.randn(M, w.H, generator=gen).to("cuda", torch.bfloat16)
+    scores = torch.randn(M, w.E, generator=gen).softmax(-1)
+    tw, ti = torch.topk(scores, w.topk, dim=-1)
+    tw, ti = tw.cuda(), ti.to("cuda", torch.int32)
+    out = torch.empty_like(x)
+    cfg = vllm_default_config(M, w.E)
+    p1, p2, s1, s2 = w.baseline
+    variants = {
+        "bf16": lambda: fmoe2.fused_moe(x, w.bf16, None, tw, ti, out=out),
+        w.fmt: lambda: fmoe2.fused_moe(x, w.packed, None, tw, ti, out=out),
+        "vllm-w4a16": lambda: vllm_style_fused_experts(x, p1, p2, tw, ti, cfg, cfg, w1_group_scale=s1,
+                                                       w2_group_scale=s2, group=w.group),
+    }
+    ref4 = fmoe2.fused_moe_reference(x, w.packed, None, tw, ti)
+    ref16 = fmoe2.fused_moe_reference(x, w.bf16, None, tw, ti)
+    errors, failed = {}, []
+    for label, fn in variants.items():
+        out.fill_(float("nan"))
+        got = fn().float()
+        ref = ref16 if label == "bf16" else ref4
+        errors[label] = ((got - ref.float()).norm() / ref.float().norm()).item()
+        if not errors[label] <= TOLERANCE:
+            failed.append(label)
+            print(f"FAILED {w.name} M={M} {label}: relative error {errors[label]:.2e}", flush=True)
+    heavy = M * w.topk * w.H * w.I > 2 ** 36
+    times = time_graphs_in_turns({k: v for k, v in variants.items() if k not in failed}, rounds,
+                                 3 if heavy else 10, 6 if heavy else 15)
+    times.update({k: float("nan") for k in failed})
+    hit = int(torch.unique(ti).numel())
+    floor = floor_us(hit * 3 * w.H * w.I * w.bits_per_value / 8 + 2 * M * w.H * 2, 2 * M * w.topk * 3 * w.H * w.I,
+                     ceilings)
+    row = dict(shape=w.name, format=w.fmt, E=w.E, H=w.H, I=w.I, topk=w.topk, M=M, experts_hit=hit,
+               bits_per_value=w.bits_per_value, floor_us=floor, us=times, rel_err=errors, failed=failed,
+               vllm_config=cfg.__dict__)
+    print(f"{w.name:14s} {w.fmt:5s} M={M:5d}  bf16 {times['bf16']:8.1f}  {w.fmt} {times[w.fmt]:8.1f} "
+          f"(x{times['bf16'] / times[w.fmt]:.2f} of bf16, {floor / times[w.fmt]:.0%} of floor {floor:.1f})  "
+          f"vllm-w4a16 {times['vllm-w4a16']:8.1f} (x{times['vllm-w4a16'] / times[w.fmt]:.2f})", flush=True)
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# 4-bit expert weights against bf16 ({result['device']})", "", provenance_line(result), "",
+             "Times in us per forward (CUDA graphs, median); `x bf16`: the bf16 forward's time over the 4-bit one's; "
+             "`floor`: 4-bit weight bytes of the experts hit plus activations over the copy bandwidth "
+             f"({result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s measured).", "",
+             "| shape | format | M | bf16 | 4-bit | x bf16 | floor | % of floor | vllm-w4a16 | x vllm-w4a16 | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        us, f = r["us"], r["format"]
+        lines.append(f"| {r['shape']} | {f} | {r['M']} | {us['bf16']:.1f} | {us[f]:.1f} | {us['bf16'] / us[f]:.2f} | "
+                     f"{r['floor_us']:.1f} | {r['floor_us'] / us[f]:.0%} | {us['vllm-w4a16']:.1f} | "
+                     f"{us['vllm-w4a16'] / us[f]:.2f} | {r['rel_err'][f]:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fmoe2.bench.quant4", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="gpt-oss-120b,gpt-oss-20b", help="comma-separated names of fmoe2.shapes")
+    parser.add_argument("--format", default="mxfp4", choices=sorted(FORMATS))
+    parser.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants' turns")
+    parser.add_argument("--out", default=None, help="result file (.json; a .md report beside it)")
+    a = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the benchmark needs a GPU")
+    names = a.shapes.split(",")
+    for name in names:
+        if name not in SHAPES:
+            parser.error(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    ms = [int(m) for m in a.m.split(",")]
+    record = run_record("python -m fmoe2.bench.quant4", argv)
+    ceilings = measure_ceilings()
+    gen = torch.Generator().manual_seed(0)
+    rows: List[Dict] = []
+    out = a.out or os.path.join("misc", "bench", "quant4",
+                                f"{record['device'].replace(' ', '_')}-{a.format}.json")
+    for name in names:
+        weights = Weights(name, a.format, gen)
+        for M in ms:
+            rows.append(bench_point(weights, M, a.rounds, ceilings, gen))
+            report = write_result(out, dict(record, ceilings=ceilings, rows=rows), markdown)  # (kept if cut short)
+        del weights
+        torch.cuda.empty_cache()
+    print(report)
+    return 1 if any(r["failed"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
