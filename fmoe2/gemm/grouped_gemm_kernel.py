@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..grid_dependency import gdc_wait
-from .operands import _expert_scales, _packed_weight_dequant, _packed_weight_load
+from .operands import _expert_scales, _packed_dot, _packed_weight_load
 from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
 from .tiles import _grouped_program, _tile_expert
 
@@ -47,17 +47,17 @@ def _k_share_program(pid, num_grid_tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 @triton.jit
 def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, n_valid, stride_b_k, k_first, k_end,
-                     K, bs_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     K, bs_rows, b_row_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      WEIGHT_GROUP: tl.constexpr):
     """``A[rows] @ B[expert, N block]^T`` over K in ``[k_first, k_end)``, fp32 [BLOCK_M, BLOCK_N]; ``a_rows``
     [BLOCK_M, 1] and ``b_rows`` [BLOCK_N, 1] pointers, or tensor descriptors (None: pointer loads) at rows
     ``a_row0`` and ``b_row0`` (B's rows past this expert's N belong to the next expert: masked at the store;
     A's past the descriptor's end read as zero). ``bs_rows`` (None: 16-bit B): [BLOCK_N] pointers to the group
-    scales of 4-bit B, whose ``b_rows`` then point at packed bytes (``operands._packed_weight_load``)."""
+    scales of 4-bit B, whose ``b_rows`` then point at packed rows of ``b_row_bytes`` (``operands._packed_weight_load``)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if bs_rows is not None:  # 4-bit B: the first step's tile, each step then loading the next one's
-        next_packed, next_scales = _packed_weight_load(b_rows, k_first, k_end, n_valid, bs_rows, BLOCK_K,
+        next_packed, next_scales = _packed_weight_load(b_rows, k_first, b_row_bytes, n_valid, bs_rows, BLOCK_K,
                                                        WEIGHT_GROUP)
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
@@ -68,14 +68,15 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, 
             a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         if bs_rows is not None:
             packed, scales = next_packed, next_scales
-            next_packed, next_scales = _packed_weight_load(b_rows, k0 + BLOCK_K, k_end, n_valid, bs_rows, BLOCK_K,
-                                                           WEIGHT_GROUP)
-            b = _packed_weight_dequant(packed, scales, BLOCK_K, WEIGHT_GROUP, a.dtype)
-        elif b_desc is not None:
-            b = b_desc.load([b_row0, k0])
+            next_packed, next_scales = _packed_weight_load(b_rows, k0 + BLOCK_K, b_row_bytes, n_valid, bs_rows,
+                                                           BLOCK_K, WEIGHT_GROUP)
+            acc = _packed_dot(a, packed, scales, acc, BLOCK_K, WEIGHT_GROUP)
         else:
-            b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            if b_desc is not None:
+                b = b_desc.load([b_row0, k0])
+            else:
+                b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     return acc
 
 
@@ -184,7 +185,7 @@ def _stage2_kernel(
     acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
                            b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
                            (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
-                           k_first, k_end, K, bs_rows, BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
+                           k_first, k_end, K, bs_rows, stride_b_n, BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     if lora_shrink_ptr is not None:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
         if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):

@@ -32,20 +32,22 @@ def _uint4_values(code):
 
 
 @triton.jit
-def _packed_weight_load(w_rows, k0, K, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+def _packed_weight_load(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     """``(packed, scales)``: the raw bytes [ROWS, BLOCK_K // 2] and group scales of a 4-bit weight tile at columns
     ``[k0, k0 + BLOCK_K)`` (``k0`` a multiple of BLOCK_K), for :func:`_packed_weight_dequant`. ``w_rows``: [ROWS, 1]
-    pointers to the rows' packed bytes (two columns per byte, the even one in the low nibble); ``s_rows``: [ROWS]
-    pointers to the rows' scales, uint8 e8m0 (mxfp4) or (scale, zero) pairs (int4), one per GROUP columns.
-    Columns at or past K, and invalid rows, load as zero bytes and scales (a tile wholly past K: all zero, so the
-    loops may load the next step's tile ahead)."""
+    pointers to the rows' packed bytes (two columns per byte, the even one in the low nibble), ``row_bytes`` long
+    (the prepared row: zero past the logical K, whole groups); ``s_rows``: [ROWS] pointers to the rows' scales,
+    uint8 e8m0 (mxfp4) or (scale, zero) pairs (int4), one per GROUP columns. Bytes past the row, and invalid rows,
+    load as zero bytes and scales (a tile wholly past the row: all zero, so the loops may load the next step's tile
+    ahead). The mask is by whole bytes of a row whose length is a multiple of 16 (the JIT's hint): the loads stay
+    vectorised (masking by the logical K made them byte loads)."""
     ROWS: tl.constexpr = rows_valid.shape[0]
     MXFP4: tl.constexpr = s_rows.dtype.element_ty == tl.uint8
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_rows + kb[None, :], mask=rows_valid[:, None] & (kb < (K + 1) // 2)[None, :], other=0)
+    packed = tl.load(w_rows + kb[None, :], mask=rows_valid[:, None] & (kb < row_bytes)[None, :], other=0)
     if BLOCK_K >= GROUP:  # BLOCK_K // GROUP groups per step
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        g_mask = rows_valid[:, None] & (g < tl.cdiv(K, GROUP))[None, :]
+        g_mask = rows_valid[:, None] & (g < row_bytes * 2 // GROUP)[None, :]
         if MXFP4:
             scales = tl.load(s_rows[:, None] + g[None, :], mask=g_mask, other=0)
         else:
@@ -53,7 +55,7 @@ def _packed_weight_load(w_rows, k0, K, rows_valid, s_rows, BLOCK_K: tl.constexpr
                              mask=g_mask[:, :, None], other=0.0)
     else:  # one group over several steps
         g = k0 // GROUP
-        g_mask = rows_valid & ((tl.zeros([ROWS], dtype=tl.int32) + k0) < K)
+        g_mask = rows_valid & ((tl.zeros([ROWS], dtype=tl.int32) + k0) < 2 * row_bytes)
         if MXFP4:
             scales = tl.load(s_rows + g, mask=g_mask, other=0)
         else:
@@ -92,13 +94,22 @@ def _packed_weight_dequant(packed, scales, BLOCK_K: tl.constexpr, GROUP: tl.cons
 
 
 @triton.jit
-def _packed_weight_tile(w_rows, k0, K, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+def _packed_dot(a, packed, scales, acc, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """``acc + a @ W^T`` of a 4-bit weight tile ``W`` given as :func:`_packed_weight_load`'s ``(packed, scales)``,
+    dequantized by :func:`_packed_weight_dequant`. (``tl.dot_scaled`` of bf16 x e2m1 was tried for mxfp4: on an
+    H200 with Triton 3.6 it gave relative errors of 1.5 at some tilings, so it is not used: docs/quant4.md.)"""
+    return tl.dot(a, tl.trans(_packed_weight_dequant(packed, scales, BLOCK_K, GROUP, a.dtype)), acc,
+                  input_precision="ieee")
+
+
+@triton.jit
+def _packed_weight_tile(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                         dtype: tl.constexpr):
     """A [ROWS, BLOCK_K] weight tile of 4-bit weights dequantized to ``dtype``: :func:`_packed_weight_load` then
     :func:`_packed_weight_dequant` (the K loops load one step ahead instead: Triton's pipeliner does not stage a
     load whose value is converted before the dot, and a load waited for at every step left the 4-bit forward
     latency-bound)."""
-    packed, scales = _packed_weight_load(w_rows, k0, K, rows_valid, s_rows, BLOCK_K, GROUP)
+    packed, scales = _packed_weight_load(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K, GROUP)
     return _packed_weight_dequant(packed, scales, BLOCK_K, GROUP, dtype)
 
 
@@ -136,21 +147,24 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         if s1_expert is not None:  # 4-bit weights: the first step's tile, each step then loading the next one's
             s_rows = s1_expert + offs_r * stride_s1_n
-            next_packed, next_scales = _packed_weight_load(w_rows, 0, H, r_valid, s_rows, BLOCK_K, WEIGHT_GROUP)
+            next_packed, next_scales = _packed_weight_load(w_rows, 0, stride_w1_n, r_valid, s_rows, BLOCK_K,
+                                                           WEIGHT_GROUP)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             if s1_expert is not None:
                 packed, scales = next_packed, next_scales
-                next_packed, next_scales = _packed_weight_load(w_rows, k0 + BLOCK_K, H, r_valid, s_rows, BLOCK_K,
-                                                               WEIGHT_GROUP)
-                b = _packed_weight_dequant(packed, scales, BLOCK_K, WEIGHT_GROUP, a.dtype)
-            elif w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
-                b = w13_desc.load([w13_row0, k0])
+                next_packed, next_scales = _packed_weight_load(w_rows, k0 + BLOCK_K, stride_w1_n, r_valid, s_rows,
+                                                               BLOCK_K, WEIGHT_GROUP)
+                acc = _packed_dot(a, packed, scales, acc, BLOCK_K, WEIGHT_GROUP)
             else:
-                b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+                if w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
+                    b = w13_desc.load([w13_row0, k0])
+                else:
+                    b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :],
+                                other=0.0)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             if WITH_LORA:
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
@@ -206,8 +220,8 @@ def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs
     """
     offs_h0 = tl.arange(0, BLOCK_H)
     if WITH_BASE and s2_expert is not None:  # 4-bit weights: the first chunk's tile, each step loading the next's
-        next_packed, next_scales = _packed_weight_load(w2_expert + offs_h0[:, None] * stride_w2_h, slice_col0, I,
-                                                       offs_h0 < H, s2_expert + offs_h0 * stride_s2_n, y.shape[1],
+        next_packed, next_scales = _packed_weight_load(w2_expert + offs_h0[:, None] * stride_w2_h, slice_col0,
+                                                       stride_w2_h, offs_h0 < H, s2_expert + offs_h0 * stride_s2_n, y.shape[1],
                                                        WEIGHT_GROUP)
     for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         offs_h = h0 + offs_h0
@@ -217,16 +231,18 @@ def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs
                 packed, scales = next_packed, next_scales
                 offs_next = offs_h + BLOCK_H
                 next_packed, next_scales = _packed_weight_load(w2_expert + offs_next[:, None] * stride_w2_h,
-                                                               slice_col0, I, offs_next < H,
+                                                               slice_col0, stride_w2_h, offs_next < H,
                                                                s2_expert + offs_next * stride_s2_n, y.shape[1],
                                                                WEIGHT_GROUP)
-                w = _packed_weight_dequant(packed, scales, y.shape[1], WEIGHT_GROUP, y.dtype)
-            elif w2_desc is not None:
-                w = w2_desc.load([w2_row0 + h0, slice_col0])
+                partial = _packed_dot(y, packed, scales, tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32),
+                                      y.shape[1], WEIGHT_GROUP)
             else:
-                w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :] * stride_w2_i,
-                            mask=h_valid[:, None] & n_valid[None, :], other=0.0)
-            partial = tl.dot(y, tl.trans(w), input_precision="ieee")
+                if w2_desc is not None:
+                    w = w2_desc.load([w2_row0 + h0, slice_col0])
+                else:
+                    w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :] * stride_w2_i,
+                                mask=h_valid[:, None] & n_valid[None, :], other=0.0)
+                partial = tl.dot(y, tl.trans(w), input_precision="ieee")
             if b2_expert is not None:
                 b2 = tl.load(b2_expert + offs_h, mask=h_valid, other=0.0).to(tl.float32)
                 partial += bias_weight[:, None] * b2[None, :]
