@@ -190,24 +190,34 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
             if bias.device != w1.device:
                 raise ValueError(f"{name} is on {bias.device} but w1 is on {w1.device}")
     h_pad, i_pad = _round_up(H, pad_to), _round_up(inter, pad_to)
-    order = "e (i two) h -> e two i h" if gate_up_interleaved else "e (two i) h -> e two i h"
-
-    w13 = w1.new_zeros(E, 2, i_pad, h_pad)
-    w13[:, :, :inter, :H] = rearrange(w1, order, two=2)
-    w13 = rearrange(w13, "e two i h -> e (i two) h").contiguous()
+    w13 = _interleaved_rows(w1, i_pad, h_pad, gate_up_interleaved)
     w2p = w2.new_zeros(E, h_pad, i_pad)
     w2p[:, :H, :inter] = w2
-    b13 = b2 = None
-    if w1_bias is not None:
-        b13 = w1_bias.new_zeros(E, 2, i_pad)
-        b13[:, :, :inter] = rearrange(w1_bias, order.replace(" h", ""), two=2)
-        b13 = rearrange(b13, "e two i -> e (i two)").contiguous()
-    if w2_bias is not None:
-        b2 = w2_bias.new_zeros(E, h_pad)
-        b2[:, :H] = w2_bias
+    b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
     return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2,
                               s13=s13.contiguous() if fp8 else None, s2=s2.contiguous() if fp8 else None,
                               scale_block=scale_block)
+
+
+def _interleaved_rows(t: torch.Tensor, i_pad: int, k_pad: int, gate_up_interleaved: bool) -> torch.Tensor:
+    """``t [E, 2I, k, ...]`` (gate rows then up rows, or interleaved) as ``[E, 2*I_pad, k_pad, ...]``: rows g0, u0,
+    g1, u1, ..., zero padded."""
+    E, two_i, k = t.shape[:3]
+    order = "e (i two) k ... -> e two i k ..." if gate_up_interleaved else "e (two i) k ... -> e two i k ..."
+    out = t.new_zeros(E, 2, i_pad, k_pad, *t.shape[3:])
+    out[:, :, :two_i // 2, :k] = rearrange(t, order, two=2)
+    return rearrange(out, "e two i k ... -> e (i two) k ...").contiguous()
+
+
+def _prepared_biases(w1_bias, w2_bias, i_pad: int, h_pad: int, gate_up_interleaved: bool):
+    """``(b13 [E, 2*I_pad] interleaved, b2 [E, H_pad])``, zero padded (None where not given)."""
+    b13 = b2 = None
+    if w1_bias is not None:
+        b13 = _interleaved_rows(w1_bias[:, :, None], i_pad, 1, gate_up_interleaved)[:, :, 0].contiguous()
+    if w2_bias is not None:
+        b2 = w2_bias.new_zeros(w2_bias.shape[0], h_pad)
+        b2[:, :w2_bias.shape[1]] = w2_bias
+    return b13, b2
 
 
 def _to_fp8_dtype(w1, w2, s13, s2, fp8_dtype):
@@ -324,12 +334,6 @@ def _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_sc
         raise ValueError(f"pad_to must be >= 1, got {pad_to}")
     k_multiple = pad_to * group // math.gcd(pad_to, group)
     h_pad, i_pad = _round_up(H, k_multiple), _round_up(inter, k_multiple)
-    order = "e (i two) k -> e two i k" if gate_up_interleaved else "e (two i) k -> e two i k"
-
-    def rows_interleaved(t, k_pad):  # [E, 2I, k(, 2)] -> [E, 2*I_pad, k_pad(, 2)], rows interleaved, zero padded
-        out = t.new_zeros(E, 2, i_pad, k_pad, *t.shape[3:])
-        out[:, :, :inter, :t.shape[2]] = rearrange(t, order.replace(" k", " k ..."), two=2)
-        return rearrange(out, "e two i k ... -> e (i two) k ...").contiguous()
 
     def padded(t, rows, k_pad):  # [E, H, k] -> [E, H_pad, k_pad]
         out = t.new_zeros(E, rows, k_pad, *t.shape[3:])
@@ -341,17 +345,10 @@ def _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_sc
     else:  # (scale, zero) side by side, in the scales' dtype
         s13 = torch.stack([w1_scale, zeros[0].to(w1_scale.dtype)], dim=-1)
         s2 = torch.stack([w2_scale, zeros[1].to(w2_scale.dtype)], dim=-1)
-    w13 = rows_interleaved(w1, h_pad // 2)
-    s13 = rows_interleaved(s13, h_pad // group)
+    w13 = _interleaved_rows(w1, i_pad, h_pad // 2, gate_up_interleaved)
+    s13 = _interleaved_rows(s13, i_pad, h_pad // group, gate_up_interleaved)
     w2p = padded(w2, h_pad, i_pad // 2).contiguous()
     s2 = padded(s2, h_pad, i_pad // group).contiguous()
-    b13 = b2 = None
-    if w1_bias is not None:
-        b13 = w1_bias.new_zeros(E, 2, i_pad)
-        b13[:, :, :inter] = rearrange(w1_bias, order.replace(" k", ""), two=2)
-        b13 = rearrange(b13, "e two i -> e (i two)").contiguous()
-    if w2_bias is not None:
-        b2 = w2_bias.new_zeros(E, h_pad)
-        b2[:, :H] = w2_bias
+    b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
     return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2, s13=s13,
                               s2=s2, scale_block=(1, group))

@@ -14,7 +14,7 @@ from fmoe2 import FusedMoEConfig, fused_moe, prepare_weights, quant4
 from fmoe2.gemm.decode import kept_accumulators, release_kept_accumulators
 from fmoe2.launch import LaunchSpec
 from fmoe2.gemm.operands import _packed_weight_tile
-from helpers import DEVICE, make_lora, make_token_lora_ids, poisoned, rel_error
+from helpers import DEVICE, make_lora, make_problem, make_token_lora_ids, poisoned, rel_error
 
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, BLOCK_H=16)
 CONFIGS = {
@@ -40,21 +40,18 @@ def quantized(fmt, w, scale_dtype=torch.float16):
 
 
 def make_packed_problem(M, E, H, I, topk, fmt, dtype, seed=0, interleaved=False, biases=False, pad_to=64):
-    """Random routing, x, and prepared 4-bit weights (with float32 biases where asked)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(M, H, generator=gen)
-    w1 = torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)
-    w2 = torch.randn(E, H, I, generator=gen) / math.sqrt(I)
-    scores = torch.randn(M, E, generator=gen).softmax(dim=-1)
-    tw, ti = torch.topk(scores, topk, dim=-1)
+    """Random routing, x, and prepared 4-bit weights (with float32 biases where asked): helpers.make_problem's, the
+    weights quantized."""
+    x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float32, device="cpu", seed=seed)
     p1, s1, z1 = quantized(fmt, w1)
     p2, s2, z2 = quantized(fmt, w2)
+    gen = torch.Generator(device="cpu").manual_seed(100 + seed)
     b1 = torch.randn(E, 2 * I, generator=gen) if biases else None
     b2 = torch.randn(E, H, generator=gen) if biases else None
     to = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
     prepared = prepare_weights(to(p1), to(p2), w1_scale=to(s1), w2_scale=to(s2), w1_zero=to(z1), w2_zero=to(z2),
                                w1_bias=to(b1), w2_bias=to(b2), gate_up_interleaved=interleaved, pad_to=pad_to)
-    return x.to(DEVICE, dtype), prepared, tw.to(DEVICE), ti.to(DEVICE, torch.int32)
+    return x.to(DEVICE, dtype), prepared, tw.to(DEVICE), ti.to(DEVICE)
 
 
 def check(out, x, prepared, tw, ti, **kwargs):
