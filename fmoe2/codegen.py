@@ -57,7 +57,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8",
                  torch.uint8: "u8"}
-PACKED_GROUPS = {"mxfp4": 32, "int4": 128}  # the group sizes the report compiles 4-bit weights with
+# The groups the report compiles 4-bit weights with: mxfp4's 32; for int4 the largest of these that divides H and I
+# (prepare_weights refuses the others: gpt-oss's 2880 takes 64).
+PACKED_GROUPS = {"mxfp4": (32,), "int4": (128, 64, 32)}
+
+
+def packed_group(weights: str, H: int, inter: int) -> int:
+    """The group :func:`codegen_report` compiles ``weights`` (a key of :data:`PACKED_GROUPS`) with at H and I."""
+    fitting = [g for g in PACKED_GROUPS[weights] if H % g == 0 and inter % g == 0]
+    if not fitting:
+        raise ValueError(f"{weights} weights need H and I multiples of one of {PACKED_GROUPS[weights]}, got H={H}, "
+                         f"I={inter}")
+    return fitting[0]
 
 
 def _signature(fn, args: dict, constexprs: dict, backend: str):
@@ -237,7 +248,7 @@ def _meta_weights(target_name: str, E: int, H: int, inter: int, dtype: torch.dty
         weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
     scales = {}
     if weights:  # packed two values per byte along K, H and I padded to whole groups (fmoe2.prepare_weights)
-        group = PACKED_GROUPS[weights]
+        group = packed_group(weights, H, inter)
         h_pad, i_pad = _round_up(H, max(64, group)), _round_up(inter, max(64, group))
         w1 = torch.empty(E, 2 * i_pad, h_pad // 2, dtype=torch.uint8, **meta)
         w2 = torch.empty(E, h_pad, i_pad // 2, dtype=torch.uint8, **meta)
@@ -283,8 +294,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     with ``pdl=True`` (programmatic dependent launch). ``fp8`` ("block", "channel" or "tensor"): fp8
     weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
     (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
-    ``weights`` ("mxfp4" or "int4"): prepared 4-bit weights (``fmoe2/quant4.py``; int4 with groups of 128 and fp16
-    (scale, zero) pairs), dequantized in the kernels' operand loader.
+    ``weights`` ("mxfp4" or "int4"): prepared 4-bit weights (``fmoe2/quant4.py``; int4 with fp16 (scale, zero)
+    pairs, groups of :func:`packed_group`), dequantized in the kernels' operand loader.
     ``tuned_for``: the configs of that GPU's tuned files (``fmoe2/gemm/configs/<tuned_for>/``) where it has one
     for the shape, instead of the shipped default rules.
     ``deterministic``: instead, the launches of deterministic mode (``deterministic_sort``,
@@ -323,7 +334,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
               "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
     quantized_x = x_quantization = None
     if weights:
-        common["weights"] = {"format": weights, "group": PACKED_GROUPS[weights]}
+        common["weights"] = {"format": weights, "group": packed_group(weights, H, inter)}
     if fp8:
         common["fp8"] = {"scheme": fp8, "weight_dtype": str(weight_dtype).replace("torch.", "")}
         quantized_x = (torch.empty(M, H, dtype=weight_dtype, **meta),
@@ -423,7 +434,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fp8", default="", choices=("",) + SCHEMES,
                         help="fp8 weights with scales of this scheme (block-wise: 128 x 128); --dtype is the activations'")
     parser.add_argument("--weights", default="", choices=("",) + tuple(PACKED_GROUPS),
-                        help="prepared 4-bit weights (mxfp4; int4 with groups of 128), dequantized in the kernels")
+                        help="prepared 4-bit weights (mxfp4; int4 with the largest group of 128, 64, 32 that divides H and "
+                             "I), dequantized in the kernels")
     parser.add_argument("--deterministic", action="store_true",
                         help="the launches of deterministic mode instead (fused_moe(..., deterministic=True))")
     parser.add_argument("--tuned-for", default=None,

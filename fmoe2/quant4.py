@@ -9,7 +9,8 @@ one) and one scale per group of consecutive K columns of a row:
   (uint8 ``s``: the power of two ``2**(s - 127)``). transformers stores ``*_blocks [E, N, K // 32, 16]`` and
   ``*_scales [E, N, K // 32]``: the blocks are exactly this packing.
 * **int4** with group scales and zero points (GPTQ, AWQ, compressed-tensors W4A16): unsigned values ``q`` in
-  ``[0, 16)``, ``w = (q - zero) * scale`` per group of 32, 64 or 128 along K; symmetric weights have zero 8.
+  ``[0, 16)``, ``w = (q - zero) * scale`` per group of 32, 64 or 128 along K, zero points in ``[0, 16]`` (the
+  original GPTQ format reaches 16); symmetric weights have zero 8.
   GPTQ and AWQ pack eight values into an int32 (GPTQ along K, AWQ along N in its own order):
   :func:`from_gptq` and :func:`from_awq` convert one linear layer's tensors to this packing.
 
@@ -149,7 +150,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: Optional[torch.Tensor], scales: tor
     """``(packed [N, K // 2] uint8, scales [N, K // G], zeros [N, K // G] uint8)`` of one GPTQ linear layer:
     ``qweight [K // 8, N]`` int32 (eight K rows per int32, row 8i + j in nibble j), ``qzeros [K // G, N // 8]``
     int32 (eight N columns per int32), ``scales [K // G, N]`` (fp16/bf16). ``zero_offset``: what the stored zero
-    lacks (1 for the original GPTQ format, whose kernels add one; 0 for the v2 format). ``qzeros`` None:
+    lacks (1 for the original GPTQ format, whose kernels add one, so zero points run from 1 to 16; 0 for the v2
+    format). ``qzeros`` None:
     symmetric. ``g_idx`` (act-order): accepted only where it is the plain ``k // G`` order; a permuted order
     would need x permuted along H inside the kernel."""
     if scales.dim() != 2:
@@ -170,7 +172,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: Optional[torch.Tensor], scales: tor
     zeros = None
     if qzeros is not None:
         _check_int32("qzeros", qzeros, (num_groups, N // 8))
-        zeros = (_int32_nibbles(qzeros).reshape(num_groups, N) + zero_offset).clamp(0, 15).T.to(torch.uint8)
+        # (the original format's stored 15 is a zero point of 16: kept, not clamped; prepared zeros are floats)
+        zeros = (_int32_nibbles(qzeros).reshape(num_groups, N) + zero_offset).T.to(torch.uint8)
     return pack_nibbles(q.T), scales.T.contiguous(), zeros.contiguous() if zeros is not None else None
 
 

@@ -114,7 +114,7 @@ def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n
 @triton.jit
 def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, w2_desc,
                w2_row0, slice_col0, b2_expert, bias_weight, a2_expert, stride_la2_l, stride_la2_r, b2t_expert,
-               stride_lb2_l, stride_lb2_r, row_slot, present, slot_of, num_present, row_scale, s2_expert, stride_s2_n, I,
+               stride_lb2_l, stride_lb2_r, row_slot, present, slot_of, num_present, row_scale, s2_expert, stride_s2_n,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, LORA_RANK: tl.constexpr,
                LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr,
                WEIGHT_GROUP: tl.constexpr):
@@ -131,7 +131,7 @@ def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i,
                                           LORA_SLOTS, LORA_RANK, 1)
     _down_16bit(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                 _down_shrink(y, la2, row_slot, d_slot, row_scale), lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0,
-                b2_expert, bias_weight, s2_expert, stride_s2_n, I, BLOCK_M, BLOCK_H, True, True, LORA_STAGES,
+                b2_expert, bias_weight, s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, True, True, LORA_STAGES,
                 WEIGHT_GROUP)
     if LORA_SLOTS < LORA_IDS:
         # Further slot groups: their own pass over H, atomics on their rows only.
@@ -144,7 +144,7 @@ def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i,
                         stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                         _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
                                      row_scale),
-                        lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0, None, bias_weight, s2_expert, stride_s2_n, I,
+                        lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0, None, bias_weight, s2_expert, stride_s2_n,
                         BLOCK_M, BLOCK_H, False, True, LORA_STAGES, WEIGHT_GROUP)
 
 

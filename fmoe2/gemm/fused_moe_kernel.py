@@ -102,7 +102,7 @@ def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expe
 
 @triton.jit
 def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
-                      slice_id, offs_n, n_valid, H, I, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e,
+                      slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                       WEIGHT_GROUP: tl.constexpr):
     """The slice's down GEMM over all of H added into ``out_rows`` ([BLOCK_M, 1] row pointers), 16-bit w2 [E,
@@ -118,7 +118,8 @@ def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_s
         s2_expert, stride_s2_n = _expert_scales(w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
     _down_16bit(y, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                 y, offs_n, n_valid, w2_desc, w2_row0, slice_id * BLOCK_N, b2_expert,
-                tl.where(slice_id == 0, route_weight, 0.0), s2_expert, stride_s2_n, I, BLOCK_M, BLOCK_H, True, False, None, WEIGHT_GROUP)
+                tl.where(slice_id == 0, route_weight, 0.0), s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, True, False, None,
+                WEIGHT_GROUP)
 
 
 @triton.jit
@@ -208,7 +209,7 @@ def _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_
                                              stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M,
                                              BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
-                      slice_id, offs_n, n_valid, H, I, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
+                      slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
                       BLOCK_N, BLOCK_H, WEIGHT_GROUP)
 
 
@@ -328,7 +329,7 @@ def _fused_lora_kernel(
     out_rows = out_ptr + token[:, None] * stride_out_m
     if num_present == 0:
         _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
-                          slice_id, offs_n, n_valid, H, I, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
+                          slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
                           BLOCK_N, BLOCK_H, WEIGHT_GROUP)
     else:
         b2_expert = None
@@ -341,7 +342,7 @@ def _fused_lora_kernel(
                    n_valid, H, w2_desc, (expert * (stride_w2_e // stride_w2_h)).to(tl.int32), slice_id * BLOCK_N,
                    b2_expert, tl.where(slice_id == 0, route_weight, 0.0), lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
                    lora_b2_ptr + expert * stride_lb2_e, stride_lb2_l, stride_lb2_r, row_slot, present, slot_of,
-                   num_present, row_scale, s2_expert, stride_s2_n, I, BLOCK_M,
+                   num_present, row_scale, s2_expert, stride_s2_n, BLOCK_M,
                    BLOCK_N, BLOCK_H, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     if final_out_ptr is not None:
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,

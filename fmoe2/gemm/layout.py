@@ -78,7 +78,7 @@ class PreparedMoEWeights:
     @property
     def group_size(self) -> Optional[int]:
         """K columns per scale of 4-bit weights (None otherwise)."""
-        return self.scale_block[1] if self.packed else None
+        return self.scale_block[1] if self.packed and self.scale_block is not None else None
 
     @property
     def num_experts(self) -> int:
@@ -155,7 +155,7 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     * mxfp4: ``w1_scale [E, 2I, H // 32]`` and ``w2_scale [E, H, I // 32]``, uint8 e8m0 (transformers'
       ``*_scales``);
     * int4: ``w1_scale [E, 2I, H // G]`` and ``w2_scale [E, H, I // G]`` (fp16/bf16/fp32, G = 32, 64 or 128), and
-      their zero points ``w1_zero`` / ``w2_zero`` of the same shapes (integers in [0, 16); None: symmetric, 8).
+      their zero points ``w1_zero`` / ``w2_zero`` of the same shapes (integers in [0, 16]; None: symmetric, 8).
       GPTQ and AWQ layers convert with :func:`fmoe2.quant4.from_gptq` / :func:`~fmoe2.quant4.from_awq`.
 
     H and I must be multiples of the group. Biases of 4-bit weights may be in any float dtype (gpt-oss keeps
@@ -325,8 +325,8 @@ def _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_sc
                          contiguous=False)
             if z.is_floating_point() and not torch.equal(z, z.round()):
                 raise ValueError(f"{name} must hold integer zero points")
-            if z.numel() and (int(z.min()) < 0 or int(z.max()) > 15):
-                raise ValueError(f"{name} must hold zero points in [0, 16), got [{int(z.min())}, {int(z.max())}]")
+            if z.numel() and (int(z.min()) < 0 or int(z.max()) > 16):
+                raise ValueError(f"{name} must hold zero points in [0, 16], got [{int(z.min())}, {int(z.max())}]")
     for name, bias, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
         if bias is not None:
             check_tensor(name, bias, dtypes=FLOAT_DTYPES, shape=shape, shape_doc=f"{list(shape)}", contiguous=False)

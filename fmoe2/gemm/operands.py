@@ -66,8 +66,8 @@ def _packed_weight_load(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K: tl.c
 @triton.jit
 def _packed_weight_dequant(packed, scales, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):
     """The [ROWS, BLOCK_K] tile in ``dtype`` of :func:`_packed_weight_load`'s ``(packed, scales)``: mxfp4 ``e2m1 *
-    2**(s - 127)`` (the scale 0 reads as 0), int4 ``(q - zero) * scale``, exact in float32 before the rounding to
-    ``dtype`` (which the mxfp4 values never need)."""
+    2**(s - 127)`` (the scale 0 reads as 0), int4 ``(q - zero) * scale``, exact in float32, then rounded to
+    ``dtype`` (mxfp4 values are exact in bf16 within its range; int4 ones and fp16 need the rounding)."""
     ROWS: tl.constexpr = packed.shape[0]
     MXFP4: tl.constexpr = scales.dtype == tl.uint8
     packed = packed.to(tl.int32)
@@ -204,7 +204,7 @@ def _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAV
 
 @triton.jit
 def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, ds_stacked, lb2_rows,
-                lb2_used, w2_desc, w2_row0, slice_col0, b2_expert, bias_weight, s2_expert, stride_s2_n, I,
+                lb2_used, w2_desc, w2_row0, slice_col0, b2_expert, bias_weight, s2_expert, stride_s2_n,
                 BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr,
                 STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2t[lb2_rows]), over H in BLOCK_H chunks, atomically.
@@ -216,7 +216,7 @@ def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs
     WITH_BASE=False adds only the LoRA term (further slot groups); STAGES: pipeline depth (None:
     the launch's num_stages). ``w2_desc`` (None: pointer loads): a tensor descriptor the weight
     tiles come through, at (``w2_row0 + h``, ``slice_col0``). ``s2_expert`` (None: 16-bit weights): the expert's
-    group scales of prepared 4-bit weights (rows ``stride_s2_n`` apart), whose columns end at I.
+    group scales of prepared 4-bit weights (rows ``stride_s2_n`` apart; their rows are zero past I, and so is y).
     """
     offs_h0 = tl.arange(0, BLOCK_H)
     if WITH_BASE and s2_expert is not None:  # 4-bit weights: the first chunk's tile, each step loading the next's

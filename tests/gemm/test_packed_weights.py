@@ -11,6 +11,7 @@ import triton.language as tl
 
 import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, prepare_weights, quant4
+from fmoe2.gemm.config import fit_packed_config
 from fmoe2.gemm.decode import kept_accumulators, release_kept_accumulators
 from fmoe2.launch import LaunchSpec
 from fmoe2.gemm.operands import _packed_weight_tile
@@ -21,8 +22,14 @@ CONFIGS = {
     "fused": SMALL,
     # BLOCK_K / S2_BLOCK_K of 16: one group of 32 spans two K steps (the loader's other branch)
     "two_stage": replace(SMALL, path="two_stage", BLOCK_K=16, S2_BLOCK_N=16, S2_BLOCK_K=16, S2_SPLIT_K=2),
-    "wide": replace(SMALL, BLOCK_N=64, BLOCK_K=128, BLOCK_H=32),  # several groups per K step
+    # several groups per K step: 2 x 32 x 128 tile elements at 4 warps are within fit_packed_config's bound
+    "wide": replace(SMALL, BLOCK_N=32, BLOCK_K=128, BLOCK_H=32),
 }
+
+
+def test_the_configs_here_run_as_given():
+    for name, config in CONFIGS.items():
+        assert fit_packed_config(config) == config, name
 FORMATS = ["mxfp4", "int4-g32-sym", "int4-g64", "int4-g128"]
 # What the activations' rounding leaves: the weights are dequantized exactly, so the 16-bit bounds hold.
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
@@ -39,15 +46,18 @@ def quantized(fmt, w, scale_dtype=torch.float16):
     return quant4.quantize_int4(w.to(scale_dtype), _group(fmt), symmetric=fmt.endswith("sym"))
 
 
-def make_packed_problem(M, E, H, I, topk, fmt, dtype, seed=0, interleaved=False, biases=False, pad_to=64):
+def make_packed_problem(M, E, H, I, topk, fmt, dtype, seed=0, interleaved=False, biases=False, pad_to=64,
+                        blocks=False):
     """Random routing, x, and prepared 4-bit weights (with float32 biases where asked): helpers.make_problem's, the
-    weights quantized."""
+    weights quantized (``blocks``: mxfp4 given as transformers' ``[E, N, K // 32, 16]`` blocks)."""
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, torch.float32, device="cpu", seed=seed)
     p1, s1, z1 = quantized(fmt, w1)
     p2, s2, z2 = quantized(fmt, w2)
     gen = torch.Generator(device="cpu").manual_seed(100 + seed)
     b1 = torch.randn(E, 2 * I, generator=gen) if biases else None
     b2 = torch.randn(E, H, generator=gen) if biases else None
+    if blocks:
+        p1, p2 = p1.view(E, 2 * I, H // 32, 16), p2.view(E, H, I // 32, 16)
     to = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
     prepared = prepare_weights(to(p1), to(p2), w1_scale=to(s1), w2_scale=to(s2), w1_zero=to(z1), w2_zero=to(z2),
                                w1_bias=to(b1), w2_bias=to(b2), gate_up_interleaved=interleaved, pad_to=pad_to)
@@ -118,6 +128,41 @@ def test_gptq_nibble_order_is_along_k():
     assert codes[1, :8].tolist() == [9, 10, 11, 12, 13, 14, 15, 0]
 
 
+def test_gptq_zeros_and_awq_order_against_hand_written_words():
+    """GPTQ's qzeros hold eight N columns per int32, nibble j = column 8c + j, the stored value one below the zero
+    point (original format; 15 stored is 16); AWQ's nibble i holds column 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]."""
+    qweight = torch.tensor([[0x76543210]], dtype=torch.int32).repeat(4, 8)  # [K // 8 = 4, N = 8]
+    qzeros = torch.tensor([[0x7654321F]], dtype=torch.int32)  # [1 group, N // 8 = 1]
+    _, _, zeros = quant4.from_gptq(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16))
+    assert zeros[:, 0].tolist() == [16, 2, 3, 4, 5, 6, 7, 8]
+    awq_qweight = torch.tensor([[0x76543210]], dtype=torch.int32).repeat(32, 1)  # [K = 32, N // 8 = 1]
+    packed, _, awq_zeros = quant4.from_awq(awq_qweight, torch.tensor([[0x76543210]], dtype=torch.int32),
+                                           torch.ones(1, 8, dtype=torch.float16))
+    assert quant4.unpack_nibbles(packed)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert awq_zeros[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4-g32", "int4-g64-sym"])
+def test_prepared_weights_are_the_inputs_dequantized(fmt, interleaved):
+    """prepare_weights keeps each row's scales with its row (and the zero points given, 16 included): the prepared
+    weights dequantize to the inputs' dequantization, gate rows then up rows."""
+    E, H, I = 3, 192, 64  # I padded to 64: no padding rows; H = 3 groups of 64
+    w1, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    (p1, s1, z1), (p2, s2, z2) = quantized(fmt, w1), quantized(fmt, w2)
+    if fmt == "int4-g32":
+        z1[0, 0, 0], z2[1, 2, 1] = 16, 0  # the zero points' range ends
+    prepared = prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2,
+                               gate_up_interleaved=interleaved, pad_to=32)
+    dequantize = (quant4.dequantize_mxfp4 if fmt == "mxfp4" else
+                  lambda p, s, z: quant4.dequantize_int4(p, s, z, _group(fmt)))
+    d1, d2 = dequantize(p1, s1, z1), dequantize(p2, s2, z2)
+    if interleaved:  # the inputs' rows are g0, u0, g1, u1, ...
+        d1 = torch.cat([d1[:, 0::2], d1[:, 1::2]], dim=1)
+    got1, got2 = prepared.unprepare()
+    assert torch.equal(got1, d1) and torch.equal(got2, d2)
+
+
 def test_gptq_act_order_and_bad_packings_are_refused():
     packed, scale, zero = quant4.quantize_int4(torch.randn(16, 128).half(), 32)
     qweight, qzeros, scales = quant4.to_gptq(packed, scale, zero)
@@ -134,20 +179,20 @@ def test_gptq_act_order_and_bad_packings_are_refused():
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _loader_kernel(w_ptr, s_ptr, out_ptr, K, stride_w, stride_s, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP: tl.constexpr):
+def _loader_kernel(w_ptr, s_ptr, out_ptr, K, stride_w, stride_s, stride_out, ROWS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     rows = tl.arange(0, ROWS)
     offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        tile = _packed_weight_tile(w_ptr + rows[:, None] * stride_w, k0, K, rows < ROWS, s_ptr + rows * stride_s,
+    for k0 in range(0, K, BLOCK_K):  # (the rows are K // 2 bytes long: stride_w)
+        tile = _packed_weight_tile(w_ptr + rows[:, None] * stride_w, k0, stride_w, rows < ROWS, s_ptr + rows * stride_s,
                                    BLOCK_K, GROUP, tl.float32)
-        tl.store(out_ptr + rows[:, None] * K + (k0 + offs_k)[None, :], tile, mask=(k0 + offs_k < K)[None, :])
+        tl.store(out_ptr + rows[:, None] * stride_out + (k0 + offs_k)[None, :], tile)  # (whole tiles, past K too)
 
 
 @pytest.mark.parametrize("block_k", [16, 32, 64])
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4-g32"])
 def test_the_loader_dequantizes_every_code_exactly(fmt, block_k):
-    ROWS, K = 16, 96  # K not a multiple of 64: the last step is masked
+    ROWS, K = 16, 96  # K not a multiple of 64: the last step runs past the row, masked
     codes = torch.randint(0, 16, (ROWS, K))
     codes[0, :16] = torch.arange(16)
     packed = quant4.pack_nibbles(codes).to(DEVICE)
@@ -161,9 +206,11 @@ def test_the_loader_dequantizes_every_code_exactly(fmt, block_k):
         zero = torch.randint(0, 16, (ROWS, K // 32))
         want = quant4.dequantize_int4(packed.cpu(), scale, zero, 32, torch.float32)
         s = torch.stack([scale, zero.half()], dim=-1).to(DEVICE)
-    out = torch.full((ROWS, K), float("nan"), device=DEVICE)
-    _loader_kernel[(1,)](packed, s, out, K, packed.stride(0), s.stride(0), ROWS, block_k, 32)
-    assert torch.equal(out.cpu(), want)
+    # The tiles past K must read zeros, not the next row's bytes (the rows are contiguous)
+    width = -(-K // block_k) * block_k
+    out = torch.full((ROWS, width), float("nan"), device=DEVICE)
+    _loader_kernel[(1,)](packed, s, out, K, packed.stride(0), s.stride(0), out.stride(0), ROWS, block_k, 32)
+    assert torch.equal(out.cpu(), torch.nn.functional.pad(want, (0, width - K)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +245,7 @@ def test_gpt_oss_checkpoint_layout_with_biases_clamped_swiglu_and_expert_map(pat
     float32 biases, swiglu_oai clamped at 7; this rank holds 5 of 8 experts."""
     M, E, H, I, topk = 13, 5, 96, 64, 4
     x, prepared, tw, ti = make_packed_problem(M, E, H, I, topk, "mxfp4", torch.float16, seed=3, interleaved=True,
-                                              biases=True)
+                                              biases=True, blocks=True)
     gen = torch.Generator().manual_seed(3)
     ti = torch.stack([torch.randperm(8, generator=gen)[:topk] for _ in range(M)]).to(DEVICE, torch.int32)
     expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1], dtype=torch.int32, device=DEVICE)
@@ -301,7 +348,7 @@ def test_wrong_packings_scales_and_zeros_are_refused_by_name():
     q2, f2, z2 = quant4.quantize_int4(torch.randn(E, H, I).half(), 32)
     with pytest.raises(ValueError, match="w1_zero and w2_zero go together"):
         prepare_weights(q1, q2, w1_scale=f1, w2_scale=f2, w1_zero=z1)
-    with pytest.raises(ValueError, match=r"w1_zero must hold zero points in \[0, 16\)"):
+    with pytest.raises(ValueError, match=r"w1_zero must hold zero points in \[0, 16\]"):
         prepare_weights(q1, q2, w1_scale=f1, w2_scale=f2, w1_zero=z1.int() + 9, w2_zero=z2)
     with pytest.raises(ValueError, match="int4 groups"):
         prepare_weights(q1, q2, w1_scale=f1[:, :, :1].repeat(1, 1, 3), w2_scale=f2)
