@@ -1,7 +1,7 @@
 """Defaults benchmark: ``python -m fmoe2.bench.defaults`` — what a user gets on a shape without a tuned file.
 
     python -m fmoe2.bench.defaults [--shapes served|all|NAME,...] [--m 1,16,128,1024,4096] [--dtype bf16|fp8]
-                                   [--routing uniform|skewed] [--candidates] [--rounds 2] [--warm-workers 8]
+                                   [--routing uniform|skewed] [--candidates] [--rounds 2] [--compile-workers 8]
                                    [--out-dir misc/bench/defaults]
 
 Per shape and batch size, on fresh random data, each forward checked against the float32 reference first, then
@@ -19,8 +19,9 @@ timed in CUDA graphs (CUDA events, median of replays), the variants taking turns
 
 fmoe2's forwards include the sort (``path="auto"`` as a user calls it); the baseline includes its align.
 ``--routing skewed``: the logits of ``max(1, E // 16)`` hot experts get +2, so a few experts take most tokens.
-``--warm-workers N`` first runs every variant once in N processes, so the Triton cache holds the kernels (compiling
-is most of a cold run's time) before the timed pass. Writes ``<out-dir>/<device>__<dtype>_<routing>.json`` after
+``--compile-workers N`` first runs each shape's variants once in up to N processes side by side
+(``fmoe2/bench/precompile.py``; ``--warm-workers``, its earlier name, in the commands of the committed results), so the
+Triton cache holds the kernels (compiling is most of a cold run's time) before the timed pass. Writes ``<out-dir>/<device>__<dtype>_<routing>.json`` after
 every shape, its ``.md`` report (ratios from the same run) and a plot (``.png``, with matplotlib);
 ``--report FILE.json`` rewrites those two from a result file.
 """
@@ -31,7 +32,6 @@ import dataclasses
 from dataclasses import replace
 import json
 import os
-import subprocess
 import sys
 from typing import Dict, List, Optional
 
@@ -44,7 +44,9 @@ from fmoe2.gemm.fused_moe import plan_of
 from fmoe2.shapes import ALL_SHAPES, SERVED_SHAPES, SHAPES
 from fmoe2.target import target_of
 
-from .__main__ import BF16_TOL, make_weights, measure_ceilings, random_weights, rel_err
+from .__main__ import BF16_TOL, floor_us, make_weights, measure_ceilings, random_weights, rel_err
+from .precompile import add_arguments as add_compile_arguments
+from .precompile import compile_in_processes, run_each_once, share_of
 from .provenance import provenance_line, rewrite_report, run_record
 from .timing import time_graphs_in_turns
 from .vllm_style import vllm_default_config, vllm_style_fused_experts, vllm_style_fused_experts_fp8
@@ -159,27 +161,26 @@ def point_variants(data: ShapeData, M: int, dtype: str, candidates: bool, x, tw,
     return variants
 
 
-def floor_us(data: ShapeData, M: int, topk_ids: torch.Tensor, ceilings: dict) -> float:
+def point_floor_us(data: ShapeData, M: int, topk_ids: torch.Tensor, ceilings: dict) -> float:
     """The forward's floor: the bytes of the experts hit (weights and scales) and of the activations in and out over
     the copy bandwidth, or its matmul FLOPs over the 16-bit matmul rate, whichever is longer."""
     hit = int(torch.unique(topk_ids).numel())
     weight_bytes = (data.w1[0].numel() * data.w1.element_size() + data.w2[0].numel() * data.w2.element_size())
     scale_bytes = sum(v[0].numel() * v.element_size() for k, v in data.baseline_extra.items() if k.endswith("_scale"))
-    moved = hit * (weight_bytes + scale_bytes) + 2 * M * data.H * 2
-    flops = 2 * M * data.topk * 3 * data.H * data.I
-    return max(moved / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"]) * 1e6
+    return floor_us(hit * (weight_bytes + scale_bytes) + 2 * M * data.H * 2, 2 * M * data.topk * 3 * data.H * data.I,
+                    ceilings)
 
 
 def bench_point(data: ShapeData, M: int, dtype: str, routing: str, candidates: bool, rounds: int,
-                gen: torch.Generator, warm_only: bool = False, compare_defaults: Optional[str] = None,
-                ceilings: Optional[dict] = None) -> Optional[dict]:
+                gen: torch.Generator, compare_defaults: Optional[str] = None, ceilings: Optional[dict] = None,
+                compile_share: Optional[str] = None) -> Optional[dict]:
+    """One point's row; with ``compile_share`` (a compiling process, ``fmoe2/bench/precompile.py``) only that share
+    of its variants run once, and None."""
     x, tw, ti = routed_inputs(M, data.E, data.H, data.topk, routing, gen)
     out = torch.empty_like(x)
     variants = point_variants(data, M, dtype, candidates, x, tw, ti, out, compare_defaults)
-    if warm_only:
-        for fn, _, _ in variants.values():
-            fn()
-        torch.cuda.synchronize()
+    if compile_share:
+        run_each_once(share_of([fn for fn, _, _ in variants.values()], compile_share))
         return None
     ref = fmoe2.fused_moe_reference(x, data.w1, data.w2, tw, ti, **data.options, **data.reference_extra)
     errors, failed = {}, []
@@ -196,7 +197,7 @@ def bench_point(data: ShapeData, M: int, dtype: str, routing: str, candidates: b
     auto_cfg = plan_of(x, data.prepared, None, tw, ti, out=out, **data.options)
     row = dict(shape=data.name, E=data.E, H=data.H, I=data.I, topk=data.topk, M=M,
                tokens_per_expert=M * data.topk / data.E, experts_hit=int(torch.unique(ti).numel()),
-               floor_us=floor_us(data, M, ti, ceilings), us=times, rel_err=errors, failed=failed,
+               floor_us=point_floor_us(data, M, ti, ceilings), us=times, rel_err=errors, failed=failed,
                configs={label: (cfg.to_dict() if isinstance(cfg, FusedMoEConfig) else dataclasses.asdict(cfg))
                         for label, (_, _, cfg) in variants.items() if cfg is not None},
                auto_config=auto_cfg.config.to_dict() if auto_cfg is not None else None)
@@ -222,7 +223,8 @@ def markdown(result: dict) -> str:
              f"where there is one: {', '.join(result['tuned_shapes']) or 'none'}); `defaults`: the default rules "
              f"alone (fitted on {', '.join(result['rules_fitted_on'])}); `vllm-default`: the baseline with vLLM's "
              "rule for an untuned shape. Ratios: baseline time / fmoe2 time (> 1: fmoe2 faster); `defaults / best`: "
-             "the defaults' time over the best fmoe2 variant timed at the point. Floor: the bytes of the experts hit and of "
+             "the defaults' time over the best fmoe2 variant timed at the point. Floor: the bytes of the experts hit "
+             "and of "
              "the activations over the measured copy bandwidth, or the FLOPs over the measured bf16 matmul rate.", ""]
     if result.get("note"):
         lines += [f"Note: {result['note']}", ""]
@@ -236,7 +238,8 @@ def markdown(result: dict) -> str:
         t = r["us"]
         best_label = min((k for k in t if k != "vllm-default" and k not in r.get("failed", ())), key=t.get)
         floor = r.get("floor_us")  # (runs before the floor was measured have none)
-        floors = f"{floor:.1f} | {t['defaults'] / floor:.2f} | {t['vllm-default'] / floor:.2f}" if floor else "- | - | -"
+        floors = (f"{floor:.1f} | {t['defaults'] / floor:.2f} | {t['vllm-default'] / floor:.2f}" if floor
+                  else "- | - | -")
         lines.append(f"| {r['shape']} | {r['M']} | {r['tokens_per_expert']:g} | {t['auto']:.1f} | {t['defaults']:.1f} "
                      + (f"| {t['defaults@other']:.1f} " if other else "")
                      + f"| {t['vllm-default']:.1f} | {t['vllm-default'] / t['auto']:.2f} | "
@@ -281,21 +284,6 @@ def plot(result: dict, path: str) -> Optional[str]:
     return path
 
 
-def warm_cache(args: List[str], shapes: List[str], workers: int) -> None:
-    """Runs every variant of ``shapes`` once in up to ``workers`` processes (one per shape, each with
-    ``args``), filling the Triton cache that the timed pass then reads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def warm(name):
-        cmd = [sys.executable, "-m", "fmoe2.bench.defaults", *args, "--shapes", name, "--warm-only"]
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:  # the timed pass then compiles (and reports) what failed here
-            print(f"warm-up of {name} failed: {done.stderr[-2000:]}", file=sys.stderr, flush=True)
-
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(warm, shapes))
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m fmoe2.bench.defaults", description=__doc__.split("\n\n")[0],
@@ -309,12 +297,13 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", action="store_true", help="also time the configs the default rules are fitted from")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warm-workers", type=int, default=0, help="processes compiling every variant first (0: none)")
+    add_compile_arguments(p, "every variant")
+    # (the flag's earlier name, in the commands of the results in misc/bench/defaults)
+    p.add_argument("--warm-workers", dest="compile_workers", type=int, help=argparse.SUPPRESS)
     p.add_argument("--compare-defaults", default=None,
                    help="a folder holding another defaults.json: its pick is timed too (variant defaults@other)")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="only rewrite the report (.md) and plot (.png) of a result file, here without a GPU")
-    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=os.path.join("misc", "bench", "defaults"))
     a = p.parse_args(argv)
     if a.report:
@@ -329,11 +318,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown shapes {unknown}; known: {sorted(ALL_SHAPES)}")
     ms = [int(m) for m in a.m.split(",")]
-    if a.warm_workers and not a.warm_only:
-        warm_cache(["--m", a.m, "--dtype", a.dtype, "--routing", a.routing, "--seed", str(a.seed)]
-                   + (["--candidates"] if a.candidates else [])
-                   + (["--compare-defaults", a.compare_defaults] if a.compare_defaults else []), names, a.warm_workers)
-    ceilings = None if a.warm_only else measure_ceilings()
+    mode = (["--m", a.m, "--dtype", a.dtype, "--routing", a.routing, "--seed", str(a.seed)]
+            + (["--candidates"] if a.candidates else [])
+            + (["--compare-defaults", a.compare_defaults] if a.compare_defaults else []))
+    ceilings = None if a.compile_share else measure_ceilings()
     device = device_config_name()
     result = {**run_record("python -m fmoe2.bench.defaults", argv), "dtype": a.dtype, "routing": a.routing,
               "tuned_shapes": [n for n in tuned_shapes(device) if n in names],
@@ -341,22 +329,26 @@ def main(argv=None) -> int:
               "compare_defaults": a.compare_defaults, "results": []}
     path = os.path.join(a.out_dir, f"{device}__{a.dtype}_{a.routing}.json")
     for name in names:
+        if a.compile_workers and not a.compile_share:
+            E, H, I, _ = ALL_SHAPES[name]  # a process holds about 4 bytes per weight (two bf16 copies, or fp8's)
+            compile_in_processes([sys.executable, "-m", "fmoe2.bench.defaults", *mode, "--shapes", name],
+                                 a.compile_workers, 4 * E * 3 * H * I, name)
         gen = torch.Generator(device="cuda").manual_seed(a.seed)
         data = shape_data(name, a.dtype, gen)
         for M in ms:
-            row = bench_point(data, M, a.dtype, a.routing, a.candidates, a.rounds, gen, a.warm_only,
-                              a.compare_defaults, ceilings)
+            row = bench_point(data, M, a.dtype, a.routing, a.candidates, a.rounds, gen, a.compare_defaults, ceilings,
+                              a.compile_share)
             if row is not None:
                 result["results"].append(row)
         del data
         torch.cuda.empty_cache()
-        if not a.warm_only:
+        if not a.compile_share:
             os.makedirs(a.out_dir, exist_ok=True)
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)
             rewrite_report(path, markdown, result)
             plot(result, path[:-len(".json")] + ".png")
-    if a.warm_only:
+    if a.compile_share:
         return 0
     print(f"wrote {path}")
     failed = [(r["shape"], r["M"], label) for r in result["results"] for label in r["failed"]]

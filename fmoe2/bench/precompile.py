@@ -1,7 +1,8 @@
 """Compiling in processes side by side before a search times its candidates.
 
 Most of a cold search's time is Triton compiling each candidate's kernels, one after another. A tool that searches
-(``python -m fmoe2.tune``, ``python -m fmoe2.bench``) takes ``--compile-workers N``: it first starts up to N copies of
+(``python -m fmoe2.tune``, ``python -m fmoe2.bench``, ``python -m fmoe2.bench.defaults``) takes
+``--compile-workers N``: it first starts up to N copies of
 itself with ``--compile-share i/N``, each running its share of the candidates once (each with its own copy of the
 weights, so as many as the GPU memory holds), which leaves their kernels in the Triton cache; the timed search then
 loads them from there.

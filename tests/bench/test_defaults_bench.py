@@ -1,4 +1,6 @@
-"""The defaults benchmark's parts that need no GPU: vLLM's default-config rule and the candidates it times."""
+"""The defaults benchmark: vLLM's default-config rule, the candidates it times, its report (no GPU); one run end to end
+(GPU only)."""
+import pytest
 import torch
 
 from fmoe2.bench.defaults import candidate_configs, markdown, rule_index
@@ -48,3 +50,22 @@ def test_rule_index_and_report():
                   tuned_shapes=[], rules_fitted_on=["s"], results=[row])
     report = markdown(result)
     assert "| s | 1 | 0.5 | 1.0 | 1.1 | 1.5 | 1.50 | 1.36 | 0.8 | 1.38 | 1.88 | rule1/fused 0.9 | 1.22 |" in report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the benchmark needs a GPU")
+def test_defaults_benchmark_of_one_shape_with_compiling_processes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "fmoe2.bench.defaults", "--shapes", "qwen3-30b-a3b", "--m", "1,40", "--candidates",
+               "--compile-workers", "2", "--rounds", "1", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "qwen3-30b-a3b: candidates compiled in 2 processes" in proc.stdout, proc.stdout
+    [path] = [p for p in tmp_path.iterdir() if p.name.endswith("__bf16_uniform.json")]
+    rows = json.loads(path.read_text())["results"]
+    assert [r["M"] for r in rows] == [1, 40]
+    for r in rows:  # every variant checked against the reference, none off it, each timed
+        assert not r["failed"] and {"auto", "defaults", "vllm-default"} <= set(r["us"]), r
+        assert all(t > 0 for t in r["us"].values()) and r["floor_us"] > 0, r
