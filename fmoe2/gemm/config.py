@@ -196,11 +196,16 @@ def lora_in_stages(cfg: FusedMoEConfig, M: int, E: int, topk: int) -> bool:
     return cfg.path == "two_stage" and M * topk / E <= LORA_IN_STAGES_MAX_TOKENS_PER_EXPERT
 
 
+def fused_grid_programs(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int) -> int:
+    """The fused kernel's GEMM programs: the most tiles any routing can fill (``max_busy_tiles``) times the I slices
+    (``ceil(I / BLOCK_N)``)."""
+    return max_busy_tiles(M * topk, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N)
+
+
 def fused_grid_fits_one_wave(cfg: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:
-    """Whether the fused kernel's grid, the most tiles any routing can fill (``max_busy_tiles``)
-    times the I slices (``ceil(I / BLOCK_N)``), holds at most one program per multiprocessor (examples:
-    docs/configs.md#grids-of-one-wave)."""
-    return max_busy_tiles(M * topk, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N) <= num_sms
+    """Whether the fused kernel's grid (:func:`fused_grid_programs`) holds at most one program per multiprocessor
+    (examples: docs/configs.md#grids-of-one-wave)."""
+    return fused_grid_programs(cfg, M, E, I, topk) <= num_sms
 
 
 def fit_lora_config_to_problem(cfg: FusedMoEConfig, M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
@@ -653,9 +658,7 @@ def _fused_grid_too_small(rule: dict, cfg: FusedMoEConfig, problem: ConfigProble
         return False
     fused = fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, "fused", target.backend,
                        shared_memory=target.shared_memory)
-    programs = max_busy_tiles(problem.M * problem.topk, problem.E, fused.BLOCK_M) * triton.cdiv(problem.I,
-                                                                                               fused.BLOCK_N)
-    return programs < per_sm * target.num_sms
+    return fused_grid_programs(fused, problem.M, problem.E, problem.I, problem.topk) < per_sm * target.num_sms
 
 
 def _deterministic_pick(problem: ConfigProblem, mode: ConfigMode, target: Target, tuned_for: Optional[str],

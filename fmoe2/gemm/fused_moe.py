@@ -388,8 +388,9 @@ def check_call(call: MoECall) -> MoEProblem:
     prepared_lora = prepare_lora(lora) if lora is not None else None
     if out is not None and prepared_lora is not None:
         check_out_overlaps(out, token_lora_ids=token_lora_ids, **prepared_lora.tensors())
+    routed = expert_map.numel() if expert_map is not None and expert_map.numel() > E else None
     return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids,
-                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit, s13, s2, scale_block, deterministic)
+                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit, s13, s2, scale_block, deterministic, routed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,8 +491,8 @@ def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str
     """The fitted config a forward of ``problem`` runs on ``target``: :func:`~fmoe2.gemm.config.resolve_config`'s
     (``config``: the caller's, or None), reading the tuned files of the GPU that holds ``problem``'s tensors."""
     mode = ConfigMode(lora=problem.lora is not None, fp8=problem.fp8, deterministic=problem.deterministic)
-    shape = ConfigProblem(problem.num_tokens, problem.num_experts, problem.hidden_size, problem.intermediate_size,
-                          problem.topk, problem.x.dtype)
+    shape = ConfigProblem(problem.num_tokens, problem.routed_experts or problem.num_experts, problem.hidden_size,
+                          problem.intermediate_size, problem.topk, problem.x.dtype)
     config = resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
     if problem.packed:  # (4-bit weights: the 16-bit pick, its weight tiles fitted to dequantizing in registers)
         config = fit_packed_config(config, 64 if target.backend == "hip" else 32, lora=problem.lora is not None)

@@ -63,6 +63,11 @@ class MoEProblem:
     # Deterministic mode (fmoe2/gemm/combine_kernel.py): sorted ids token * topk + slot, stage 2 stores a row per
     # (token, slot) and a last launch sums them in slot order; no atomics, a tiling that does not depend on M
     deterministic: bool = False
+    # Experts the routing chooses among when it is wider than the local weights (expert parallelism: expert_map's
+    # length, the global count); None: num_experts. The config is picked for the full model's shape (rows per expert
+    # M * topk / routed experts, the full model's tuned file): an expert-parallel slice does each local expert's
+    # GEMMs as the full model does.
+    routed_experts: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:

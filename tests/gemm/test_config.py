@@ -424,3 +424,26 @@ def test_default_rules_of_the_served_shapes_sweep():
         assert not pick("glm-4.5-air", M, "gfx942").tma
     # fp8 weights keep pointer loads (fit_fp8_config).
     assert not pick("deepseek-v3", 4096, fp8=True).tma
+
+
+def test_an_expert_parallel_slice_takes_the_full_models_config():
+    # With expert_map (global id -> local id or -1), rows per local expert are M * topk / E_global, as in the full
+    # model: the config is picked for the full model's shape (its tuned file too), not for E_local experts.
+    from fmoe2.gemm.fused_moe import pick_config
+    from fmoe2.gemm.launches import MoEProblem
+    from fmoe2.target import NAMED_TARGETS
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    E, H, I, topk = 256, 7168, 2048, 8
+
+    def pick(M, local, routed):
+        problem = MoEProblem(torch.empty(M, H, **meta), torch.empty(local, 2 * I, H, **meta),
+                             torch.empty(local, H, I, **meta), False, local, H, I, topk, routed_experts=routed)
+        return pick_config(problem, None, "auto", NAMED_TARGETS["sm_90"])
+
+    for M in (1, 16, 128, 1024, 4096):
+        assert pick(M, E // 8, E) == pick(M, E, None), M
+    # Without the global count, 32 local experts would read M=128 as 32 rows per expert (64-row two-stage tiles)
+    # where each gets 4 (16-row fused tiles).
+    assert (pick(128, E // 8, E).BLOCK_M, pick(128, E // 8, E).path) == (16, "fused")
+    assert (pick(128, E // 8, None).BLOCK_M, pick(128, E // 8, None).path) == (64, "two_stage")
