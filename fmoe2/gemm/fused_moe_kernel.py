@@ -86,7 +86,7 @@ def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expe
     H_pad], g0, u0, g1, u1, ...; ``w13_desc``: None, or a tensor descriptor of interleaved w1 viewed [E *
     2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]; ``w1_bias_ptr``: None or [E, 2I(_pad)] in w1's row order), or
     from prepared 4-bit weights (w1 packed [E, 2*I_pad, H_pad // 2] uint8, ``w1_scale_ptr`` their group scales
-    [E, 2*I_pad, ...]: ``operands._packed_weight_tile``; None for 16-bit weights)."""
+    [E, 2*I_pad, ...]: ``operands._packed_weight_load``; None for 16-bit weights)."""
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
         x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
     s1_expert, stride_s1_n = None, 0

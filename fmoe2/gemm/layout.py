@@ -191,8 +191,7 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
                 raise ValueError(f"{name} is on {bias.device} but w1 is on {w1.device}")
     h_pad, i_pad = _round_up(H, pad_to), _round_up(inter, pad_to)
     w13 = _interleaved_rows(w1, i_pad, h_pad, gate_up_interleaved)
-    w2p = w2.new_zeros(E, h_pad, i_pad)
-    w2p[:, :H, :inter] = w2
+    w2p = _padded(w2, h_pad, i_pad)
     b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
     return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2,
                               s13=s13.contiguous() if fp8 else None, s2=s2.contiguous() if fp8 else None,
@@ -207,6 +206,13 @@ def _interleaved_rows(t: torch.Tensor, i_pad: int, k_pad: int, gate_up_interleav
     out = t.new_zeros(E, 2, i_pad, k_pad, *t.shape[3:])
     out[:, :, :two_i // 2, :k] = rearrange(t, order, two=2)
     return rearrange(out, "e two i k ... -> e (i two) k ...").contiguous()
+
+
+def _padded(t: torch.Tensor, rows: int, k_pad: int) -> torch.Tensor:
+    """``t [E, N, k, ...]`` zero padded to ``[E, rows, k_pad, ...]`` (contiguous)."""
+    out = t.new_zeros(t.shape[0], rows, k_pad, *t.shape[3:])
+    out[:, :t.shape[1], :t.shape[2]] = t
+    return out
 
 
 def _prepared_biases(w1_bias, w2_bias, i_pad: int, h_pad: int, gate_up_interleaved: bool):
@@ -335,11 +341,6 @@ def _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_sc
     k_multiple = pad_to * group // math.gcd(pad_to, group)
     h_pad, i_pad = _round_up(H, k_multiple), _round_up(inter, k_multiple)
 
-    def padded(t, rows, k_pad):  # [E, H, k] -> [E, H_pad, k_pad]
-        out = t.new_zeros(E, rows, k_pad, *t.shape[3:])
-        out[:, :t.shape[1], :t.shape[2]] = t
-        return out
-
     if mxfp4:
         s13, s2 = w1_scale, w2_scale
     else:  # (scale, zero) side by side, in the scales' dtype
@@ -347,8 +348,8 @@ def _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_sc
         s2 = torch.stack([w2_scale, zeros[1].to(w2_scale.dtype)], dim=-1)
     w13 = _interleaved_rows(w1, i_pad, h_pad // 2, gate_up_interleaved)
     s13 = _interleaved_rows(s13, i_pad, h_pad // group, gate_up_interleaved)
-    w2p = padded(w2, h_pad, i_pad // 2).contiguous()
-    s2 = padded(s2, h_pad, i_pad // group).contiguous()
+    w2p = _padded(w2, h_pad, i_pad // 2)
+    s2 = _padded(s2, h_pad, i_pad // group)
     b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
     return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2, s13=s13,
                               s2=s2, scale_block=(1, group))

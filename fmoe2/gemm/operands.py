@@ -39,8 +39,9 @@ def _packed_weight_load(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K: tl.c
     (the prepared row: zero past the logical K, whole groups); ``s_rows``: [ROWS] pointers to the rows' scales,
     uint8 e8m0 (mxfp4) or (scale, zero) pairs (int4), one per GROUP columns. Bytes past the row, and invalid rows,
     load as zero bytes and scales (a tile wholly past the row: all zero, so the loops may load the next step's tile
-    ahead). The mask is by whole bytes of a row whose length is a multiple of 16 (the JIT's hint): the loads stay
-    vectorised (masking by the logical K made them byte loads)."""
+    ahead: Triton's pipeliner does not stage a load whose value is converted before the dot, and a load waited
+    for at every step left the 4-bit forward latency-bound). The mask is by whole bytes of a row whose length is a
+    multiple of 16 (the JIT's hint): the loads stay vectorised (masking by the logical K made them byte loads)."""
     ROWS: tl.constexpr = rows_valid.shape[0]
     MXFP4: tl.constexpr = s_rows.dtype.element_ty == tl.uint8
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -103,17 +104,6 @@ def _packed_dot(a, packed, scales, acc, BLOCK_K: tl.constexpr, GROUP: tl.constex
 
 
 @triton.jit
-def _packed_weight_tile(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                        dtype: tl.constexpr):
-    """A [ROWS, BLOCK_K] weight tile of 4-bit weights dequantized to ``dtype``: :func:`_packed_weight_load` then
-    :func:`_packed_weight_dequant` (the K loops load one step ahead instead: Triton's pipeliner does not stage a
-    load whose value is converted before the dot, and a load waited for at every step left the 4-bit forward
-    latency-bound)."""
-    packed, scales = _packed_weight_load(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K, GROUP)
-    return _packed_weight_dequant(packed, scales, BLOCK_K, GROUP, dtype)
-
-
-@triton.jit
 def _expert_scales(scale_ptr, expert, stride_w_e, stride_w_n, WEIGHT_GROUP: tl.constexpr):
     """``(scales, stride_s_n)``: the expert's group scales of prepared 4-bit weights (``scale_ptr`` not None) and
     their row stride, from the packed weights' strides (the scales are laid out like the packed rows, contiguous:
@@ -135,7 +125,7 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
     num_stages). ``w13_desc`` (interleaved weights only; None: pointer loads): a tensor descriptor the weight
     tiles come through, this slice's first row at ``w13_row0``. ``s1_expert`` (None: 16-bit weights): the
     expert's group scales of prepared 4-bit weights (interleaved rows ``stride_s1_n`` apart, WEIGHT_GROUP columns
-    per scale), dequantized by :func:`_packed_weight_tile`.
+    per scale), loaded one K step ahead by :func:`_packed_weight_load` and multiplied by :func:`_packed_dot`.
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded); returned third (zeros without).

@@ -14,7 +14,7 @@ from fmoe2 import FusedMoEConfig, fused_moe, prepare_weights, quant4
 from fmoe2.gemm.config import fit_packed_config
 from fmoe2.gemm.decode import kept_accumulators, release_kept_accumulators
 from fmoe2.launch import LaunchSpec
-from fmoe2.gemm.operands import _packed_weight_tile
+from fmoe2.gemm.operands import _packed_weight_dequant, _packed_weight_load
 from helpers import DEVICE, make_lora, make_problem, make_token_lora_ids, poisoned, rel_error
 
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, BLOCK_H=16)
@@ -184,8 +184,9 @@ def _loader_kernel(w_ptr, s_ptr, out_ptr, K, stride_w, stride_s, stride_out, ROW
     rows = tl.arange(0, ROWS)
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):  # (the rows are K // 2 bytes long: stride_w)
-        tile = _packed_weight_tile(w_ptr + rows[:, None] * stride_w, k0, stride_w, rows < ROWS, s_ptr + rows * stride_s,
-                                   BLOCK_K, GROUP, tl.float32)
+        packed, scales = _packed_weight_load(w_ptr + rows[:, None] * stride_w, k0, stride_w, rows < ROWS,
+                                             s_ptr + rows * stride_s, BLOCK_K, GROUP)
+        tile = _packed_weight_dequant(packed, scales, BLOCK_K, GROUP, tl.float32)
         tl.store(out_ptr + rows[:, None] * stride_out + (k0 + offs_k)[None, :], tile)  # (whole tiles, past K too)
 
 
