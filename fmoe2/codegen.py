@@ -279,7 +279,8 @@ def _meta_weights(target_name: str, E: int, H: int, inter: int, dtype: torch.dty
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
                    prepared: bool = True, activation: str = "silu", lora_rank: int = 0,
                    num_loras: int = 4, tma: bool = False, pdl: bool = False, fp8: str = "",
-                   deterministic: bool = False, tuned_for: Optional[str] = None, weights: str = "") -> List[dict]:
+                   deterministic: bool = False, tuned_for: Optional[str] = None, weights: str = "",
+                   tail_m: int = 0) -> List[dict]:
     """Compiles the kernels ``fused_moe`` would launch; one dict each.
 
     Reports ``moe_sorting`` and ``fused_moe`` (the fused path, as ``path="fused"`` runs it) always
@@ -298,6 +299,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     pairs, groups of :func:`packed_group`), dequantized in the kernels' operand loader.
     ``tuned_for``: the configs of that GPU's tuned files (``fmoe2/gemm/configs/<tuned_for>/``) where it has one
     for the shape, instead of the shipped default rules.
+    ``tail_m``: two-stage configs (not fp8) with ``TAIL_M=tail_m`` where it is below their BLOCK_M (tail tiles).
     ``deterministic``: instead, the launches of deterministic mode (``deterministic_sort``,
     ``deterministic_stage1``, ``deterministic_stage2``, ``deterministic_combine``), with adapters of
     ``lora_rank`` where given.
@@ -323,6 +325,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
                              tuned_for=tuned_for)
         if weights:
             cfg = fit_packed_config(cfg, target.warp_size, lora)
+        if tail_m and cfg.path == "two_stage" and not fp8 and tail_m < cfg.BLOCK_M:
+            cfg = replace(cfg, TAIL_M=tail_m)
         return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8 and not weights,
                                                  pdl=(cfg.pdl or pdl) and named.has_grid_dependency_control)
 
@@ -441,6 +445,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tuned-for", default=None,
                         help="the configs of this GPU's tuned files (a folder of fmoe2/gemm/configs, e.g. NVIDIA_H200) "
                              "instead of the default rules, where it has one for the shape")
+    parser.add_argument("--tail-m", type=int, default=0,
+                        help="two-stage configs with TAIL_M of this many rows (tail tiles; where below BLOCK_M)")
     a = parser.parse_args(argv)
     if a.fp8 and a.lora_rank:
         parser.error("--fp8 does not take --lora-rank: fp8 weights take no LoRA adapters yet")
@@ -462,7 +468,8 @@ def main(argv=None) -> int:
         parser.error(f"--m must be comma-separated ints, got {a.m!r}")
     for M in ms:
         for report in codegen_report(a.target, shape, M, DTYPES[a.dtype], not a.plain, a.activation, a.lora_rank,
-                                     a.num_loras, a.tma, a.pdl, a.fp8, a.deterministic, a.tuned_for, a.weights):
+                                     a.num_loras, a.tma, a.pdl, a.fp8, a.deterministic, a.tuned_for, a.weights,
+                                     a.tail_m):
             print(json.dumps(report))
     return 0
 

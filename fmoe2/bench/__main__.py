@@ -6,6 +6,7 @@
     python -m fmoe2.bench --lora [--rank 16] [--num-loras 4] [--search]     (see fmoe2/bench/lora.py)
     python -m fmoe2.bench --dtype fp8 [--scheme block|channel|tensor]       (see fmoe2/bench/fp8.py)
     python -m fmoe2.bench --deterministic [--candidates]                     (see fmoe2/bench/deterministic.py)
+    python -m fmoe2.bench --prefill [--routing uniform,skewed] [--tails 64]   (see fmoe2/bench/prefill.py)
 
 Per shape and batch: fresh random bf16 data, softmax+top-k routing of random logits; both methods
 get their best config from the same grid of tiles, warps and stages (``fmoe2/bench/search.py``;
@@ -256,11 +257,22 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", action="store_true",
                    help="with --deterministic: also time other fixed tilings for deterministic mode")
     add_compile_arguments(p, "both searches (plain bf16 runs)")
+    p.add_argument("--prefill", action="store_true",
+                   help="prefill against the GEMM limit: dense bmm and torch._grouped_mm of the same work, tail tiles, "
+                        "fp8 (fmoe2/bench/prefill.py; default shapes then add gpt-oss-20b, default M 1024,4096,16384; "
+                        "results under <out-dir>/prefill)")
+    p.add_argument("--routing", default="uniform,skewed", help="with --prefill: routings (uniform, skewed)")
+    p.add_argument("--tails", default="64", help="with --prefill: TAIL_M values timed beside the picked config")
+    p.add_argument("--fp8-schemes", default="block,channel", help="with --prefill: fp8 schemes timed ('' for none)")
     p.add_argument("--host", action="store_true",
                    help="host cost per call instead (python -m fmoe2.bench.host; --shapes, --out-dir apply)")
     a = p.parse_args(argv)
     if a.shapes is None:
         a.shapes = ",".join(SHAPES)
+        if a.prefill:
+            from .prefill import PREFILL_SHAPES
+
+            a.shapes = ",".join(PREFILL_SHAPES)
         if a.dtype == "fp8":
             from .fp8 import FP8_SHAPES
 
@@ -283,6 +295,8 @@ def main(argv=None) -> int:
         shapes = {s: ALL_SHAPES[s] for s in a.shapes.split(",")}
     if a.lora and a.m == p.get_default("m"):
         a.m = "1,16,128,1024"
+    if a.prefill and a.m == p.get_default("m"):
+        a.m = "1024,4096,16384"
     ms = [int(m) for m in a.m.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(a.seed)
     if a.compile_share:
@@ -297,6 +311,14 @@ def main(argv=None) -> int:
                 ceilings=ceilings)
     print(f"{device}: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    if a.prefill:
+        from .prefill import run_prefill_bench
+
+        if a.lora or a.dtype != "bf16" or a.shape or a.deterministic:
+            p.error("--prefill runs the named shapes (--shapes) in bf16 and fp8 itself (--fp8-schemes)")
+        print(run_prefill_bench(list(shapes), ms, a.routing.split(","), [int(t) for t in a.tails.split(",") if t],
+                                [s for s in a.fp8_schemes.split(",") if s], a.out_dir, gen, argv))
+        return 0
     if a.deterministic:
         from .deterministic import run_deterministic_bench
 

@@ -72,6 +72,11 @@ DECODE_TWO_STAGE = {
 # 4 stages at 64 columns lost everywhere (542.8, 706.6, 1178.2 at those three points); 5 stages at
 # 128 columns do not fit shared memory. Stage 2 had no config off the grid faster by more than 1%.
 STAGE1_LARGE = ((64, 3), (128, 3), (128, 4))
+# Tail tiles (FusedMoEConfig.TAIL_M) tried with 128-row two-stage tiles of 128-column slices: on the H200
+# (2026-11-28, misc/bench/prefill) 64-row tails gained at some points (gpt-oss-20b M=4096 1587.5 -> 1434.7 us,
+# DeepSeek-V2-Lite M=4096 804.9 -> 768.2) and lost at others (Mixtral M=1024 1424.8 -> 1511.9), so the search
+# decides (docs/performance.md#the-tail-tile).
+TAIL_OF_128 = 64
 DECODE_TALL_TILES_FROM = 4  # rows per expert above which decode-sized batches also try the taller two-stage tiles
 
 
@@ -110,9 +115,12 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
         # 64-row two-stage 586 us against 650 for the 16-row fused pick).
         bms = block_m_candidates(M, E, topk) if _regime(M, E, topk) != "decode" else (32, 64)
         for bm, (bn, stages), s2_bn, s2_stages in itertools.product(bms, STAGE1_LARGE, (128, 256), (3, 4)):
-            add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, BLOCK_H=128, GROUP_M=8, num_warps=8,
-                               num_stages=2 if hip else stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=64,
-                               S2_GROUP_M=8, s2_num_warps=8, s2_num_stages=2 if hip else s2_stages, **hip_opts))
+            tails = (0, TAIL_OF_128) if bm == 128 and bn == 128 else (0,)
+            for tail in tails:
+                add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, BLOCK_H=128, GROUP_M=8, num_warps=8,
+                                   num_stages=2 if hip else stages, path="two_stage", S2_BLOCK_N=s2_bn,
+                                   S2_BLOCK_K=64, S2_GROUP_M=8, s2_num_warps=8,
+                                   s2_num_stages=2 if hip else s2_stages, TAIL_M=tail, **hip_opts))
     return out
 
 

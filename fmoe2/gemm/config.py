@@ -105,6 +105,10 @@ class FusedMoEConfig:
     # Stage-2 programs per output tile, each over a share of I (more, shorter programs; S2_SPLIT_K
     # times the atomic adds per output element).
     S2_SPLIT_K: int = 1
+    # Two-stage path (16-bit weights, no adapters in stage 1): a sorted tile whose real rows fit in its first
+    # TAIL_M rows computes those only, in both stages (an expert's last tile; 0: off; a power of two below
+    # BLOCK_M). Measurements: docs/performance.md#the-tail-tile
+    TAIL_M: int = 0
     # The atomic adds go to a float32 accumulator [M, H] (zeroed by the sort) that is cast to the output dtype
     # (by the fused kernel at M=1, by one more launch elsewhere: launches.fused_kernel_casts): one rounding of
     # each output element instead of one per add. None: the rule of fmoe2/gemm/launches.py's accumulates_fp32
@@ -126,6 +130,10 @@ class FusedMoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"config {name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.TAIL_M, int) or self.TAIL_M < 0 or (self.TAIL_M and (self.TAIL_M < 16 or self.TAIL_M & (
+                self.TAIL_M - 1) or self.TAIL_M >= self.BLOCK_M)):
+            raise ValueError(f"config TAIL_M must be 0 or a power of two >= 16 below BLOCK_M={self.BLOCK_M}, "
+                             f"got {self.TAIL_M!r}")
         if self.accumulate_fp32 is not None and not isinstance(self.accumulate_fp32, bool):
             raise ValueError(f"config accumulate_fp32 must be a bool or None, got {self.accumulate_fp32!r}")
         if self.lora_num_stages is not None and (not isinstance(self.lora_num_stages, int) or self.lora_num_stages < 1):
@@ -149,6 +157,8 @@ class FusedMoEConfig:
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if v is not None}
+        if not self.TAIL_M:  # (off: as configs written before the field read)
+            del d["TAIL_M"]
         if self.path == "fused":  # stage-2 fields are meaningless there
             d = {k: v for k, v in d.items() if not k.lower().startswith("s2_")}
         return d
@@ -357,7 +367,7 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     s2_steps = triton.cdiv(I, s2_block_k)
     s2_split_k = triton.cdiv(s2_steps, triton.cdiv(s2_steps, s2_split_k))
     cfg = replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cap(block_k, H), BLOCK_H=cap(block_h, H),
-                  num_warps=num_warps, num_stages=num_stages,
+                  TAIL_M=cfg.TAIL_M if cfg.TAIL_M < block_m else 0, num_warps=num_warps, num_stages=num_stages,
                   S2_BLOCK_N=cap(cfg.S2_BLOCK_N, H), S2_BLOCK_K=s2_block_k, S2_SPLIT_K=s2_split_k)
     if fp8_weights:
         return cfg
@@ -441,7 +451,7 @@ def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAU
         s2_stages -= 1
     return replace(cfg, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group, BLOCK_H=block_h, num_warps=num_warps,
                    num_stages=stages, S2_BLOCK_N=s2_block_n, S2_BLOCK_K=group, s2_num_warps=s2_num_warps,
-                   s2_num_stages=s2_stages, tma=False)
+                   s2_num_stages=s2_stages, tma=False, TAIL_M=0)  # (the fp8 entries compute whole tiles)
 
 
 def fp8_prefers_two_stage(fitted: FusedMoEConfig, M: int, E: int, I: int, topk: int, num_sms: int) -> bool:

@@ -38,7 +38,7 @@ from .activations import _activate
 from .epilogues import _cast_rows_last_added, _store_y, _zeroes_unrouted_rows
 from .fused_lora import _lora_down, _lora_gate_up, _lora_tile, _store_down_shrinks
 from .operands import _add_gate_up_bias, _down_16bit, _expert_scales, _gate_up_16bit
-from .tiles import (_grouped_program, _kept_slots, _slice_columns, _slot_expert, _slot_rows, _sorted_rows,
+from .tiles import (_fits_tail, _grouped_program, _kept_slots, _slice_columns, _slot_expert, _slot_rows, _sorted_rows,
                     _tile_expert)
 
 
@@ -143,8 +143,9 @@ def _fused_program(pid, topk_ids_ptr, topk_weights_ptr, expert_map_ptr, sorted_t
         if sorted_token_ids_ptr is None:
             offs_m, token, row_valid, route_weight = _slot_rows(tile, topk_weights_ptr, BLOCK_M)
         else:
-            offs_m, token, row_valid, route_weight = _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr,
-                                                                  num_tokens, BLOCK_M, IDS_PER_TOKEN)
+            offs_m, token, row_valid, route_weight = _sorted_rows(tile * BLOCK_M, sorted_token_ids_ptr,
+                                                                  sorted_weights_ptr, num_tokens, BLOCK_M,
+                                                                  IDS_PER_TOKEN)
     return expert, slice_id, offs_m, token, row_valid, route_weight
 
 
@@ -368,6 +369,9 @@ def _stage1_kernel(
     # one row per (token, slot), fmoe2/gemm/combine_kernel.py)
     IDS_PER_TOKEN: tl.constexpr,
     WEIGHT_GROUP: tl.constexpr,
+    # A tile whose real rows fit in its first TAIL_M computes and stores those rows only (0: never; tiles.
+    # _fits_tail). Its other rows of y are left unwritten: stage 2 masks those rows' results.
+    TAIL_M: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
     expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
@@ -375,10 +379,34 @@ def _stage1_kernel(
         num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
     if expert < 0:
         return
+    if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
+        tile, _ = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
+        tail_m, tail_token, tail_valid, tail_weight = _sorted_rows(tile * BLOCK_M, sorted_token_ids_ptr,
+                                                                   sorted_weights_ptr, num_tokens, TAIL_M,
+                                                                   IDS_PER_TOKEN)
+        _stage1_rows(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr, expert, slice_id, tail_m, tail_token,
+                     tail_valid, tail_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e,
+                     stride_y_m, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, TAIL_M, BLOCK_N,
+                     BLOCK_K, WEIGHT_GROUP)
+    else:
+        _stage1_rows(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr, expert, slice_id, offs_m, token,
+                     row_valid, route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e,
+                     stride_y_m, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N,
+                     BLOCK_K, WEIGHT_GROUP)
+
+
+@triton.jit
+def _stage1_rows(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr, expert, slice_id, offs_m, token,
+                 row_valid, route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e,
+                 stride_y_m, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+                 GATE_UP_INTERLEAVED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WEIGHT_GROUP: tl.constexpr):
+    """Stage 1 of ROWS sorted rows (``offs_m`` and their tokens, validity and routing weights) and one I slice:
+    y stored at the rows."""
     y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expert, token,
                                              row_valid, route_weight, slice_id, H, I, stride_x_m, stride_w1_e,
-                                             stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M,
-                                             BLOCK_N, BLOCK_K, WEIGHT_GROUP)
+                                             stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA,
+                                             SWIGLU_LIMIT, GATE_UP_INTERLEAVED, ROWS, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, None, slice_id)
 
 

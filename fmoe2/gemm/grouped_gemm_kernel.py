@@ -30,7 +30,7 @@ import triton.language as tl
 from ..grid_dependency import gdc_wait
 from .operands import _expert_scales, _packed_dot, _packed_weight_load
 from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
-from .tiles import _grouped_program, _tile_expert
+from .tiles import _fits_tail, _grouped_program, _tile_expert
 
 
 @triton.jit
@@ -121,21 +121,20 @@ def _stage2_program(sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_va
     expert = _tile_expert(tile, num_sorted_tiles_ptr, expert_ids_ptr)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_id = tl.zeros([BLOCK_M], dtype=tl.int64)
+    row_valid = offs_m < 0
     if expert >= 0:  # (a program with nothing to do loads no rows)
-        row_id = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+        offs_m, row_id, row_valid = _stage2_rows(tile * BLOCK_M, sorted_ids_ptr, num_valid_ids, BLOCK_M)
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, tile, n_block, k_first, k_end, offs_m, row_id, row_id < num_valid_ids, offs_n, offs_n < N
+    return expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, offs_n < N
 
 
 @triton.jit
-def _stage2_rows(tile, sorted_ids_ptr, num_valid_ids, n_block, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(offs_m, row_id, row_valid, offs_n, n_valid)`` of a sorted tile and N block: sorted rows, their ids
-    (int64) and which are real, and the block's output columns."""
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_id = tl.load(sorted_ids_ptr + offs_m)
-    row_valid = row_id < num_valid_ids
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    return offs_m, row_id.to(tl.int64), row_valid, offs_n, offs_n < N
+def _stage2_rows(first_row, sorted_ids_ptr, num_valid_ids, ROWS: tl.constexpr):
+    """``(offs_m, row_id, row_valid)`` of ROWS sorted rows from ``first_row`` (a tile's, or its tail's:
+    ``tiles._fits_tail``): the rows, their ids (int64) and which are real."""
+    offs_m = first_row + tl.arange(0, ROWS)
+    row_id = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    return offs_m, row_id, row_id < num_valid_ids
 
 
 @triton.jit
@@ -172,20 +171,54 @@ def _stage2_kernel(
     LORA_SPLITS_PER_STEP: tl.constexpr,  # partial shrinks loaded per step of their sum
     IDS_PER_TOKEN: tl.constexpr,  # a row's token (for its adapter) is id // IDS_PER_TOKEN
     WEIGHT_GROUP: tl.constexpr,  # K columns per scale of 4-bit weights (unused with 16-bit ones)
+    # A tile whose real rows fit in its first TAIL_M computes those rows only (0: never; tiles._fits_tail), its A
+    # rows through pointer loads (the descriptor's block is BLOCK_M rows)
+    TAIL_M: tl.constexpr,
 ):
     expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
         sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
         BLOCK_K, GROUP_M, SPLIT_K, ATOMIC_OUTPUT, PDL)
     if expert < 0:
         return
+    if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
+        tail_m, tail_id, tail_valid = _stage2_rows(tile * BLOCK_M, sorted_ids_ptr, num_valid_ids, TAIL_M)
+        _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, None, b_desc, bias_ptr, row_weights_ptr, token_lora_ids_ptr,
+                     lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr, b_rows_per_expert, expert,
+                     n_block, k_first, k_end, tile * BLOCK_M, tail_m, tail_id, tail_valid, offs_n, n_valid, K,
+                     num_loras, num_shrink_splits, stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e,
+                     stride_c_m, stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, ATOMIC_OUTPUT, TAIL_M,
+                     BLOCK_N, BLOCK_K, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN,
+                     WEIGHT_GROUP)
+    else:
+        _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc, b_desc, bias_ptr, row_weights_ptr, token_lora_ids_ptr,
+                     lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr, b_rows_per_expert, expert,
+                     n_block, k_first, k_end, tile * BLOCK_M, offs_m, row_id, row_valid, offs_n, n_valid, K,
+                     num_loras, num_shrink_splits, stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e,
+                     stride_c_m, stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, ATOMIC_OUTPUT, BLOCK_M,
+                     BLOCK_N, BLOCK_K, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN,
+                     WEIGHT_GROUP)
+
+
+@triton.jit
+def _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc, b_desc, bias_ptr, row_weights_ptr, token_lora_ids_ptr,
+                 lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr, b_rows_per_expert, expert, n_block,
+                 k_first, k_end, first_row, offs_m, row_id, row_valid, offs_n, n_valid, K, num_loras,
+                 num_shrink_splits, stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m,
+                 stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, ATOMIC_OUTPUT: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LORA_RANK: tl.constexpr,
+                 LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, LORA_SPLITS_PER_STEP: tl.constexpr,
+                 IDS_PER_TOKEN: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
+    """Stage 2 of ROWS sorted rows from ``first_row`` (``offs_m``, their ids and validity; see
+    :func:`_stage2_kernel`) and one block of output columns, over the program's share of K: the product, the
+    rows' down deltas and the bias, added (or stored) at the rows' ids."""
     bs_rows = None
     if b_scale_ptr is not None:  # (laid out like B's packed rows: operands._expert_scales)
         bs_expert, stride_bs_n = _expert_scales(b_scale_ptr, expert, stride_b_e, stride_b_n, WEIGHT_GROUP)
         bs_rows = bs_expert + offs_n * stride_bs_n
-    acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile * BLOCK_M, row_valid,
+    acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, first_row, row_valid,
                            b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
                            (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
-                           k_first, k_end, K, bs_rows, stride_b_n, BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
+                           k_first, k_end, K, bs_rows, stride_b_n, ROWS, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     if lora_shrink_ptr is not None:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
         if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):

@@ -37,13 +37,13 @@ def _tile_expert(tile, num_sorted_tiles_ptr, sorted_expert_ids_ptr):
 
 
 @triton.jit
-def _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens, BLOCK_M: tl.constexpr,
+def _sorted_rows(first_row, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens, ROWS: tl.constexpr,
                  IDS_PER_TOKEN: tl.constexpr):
-    """``(offs_m, token, row_valid, route_weight)`` of a sorted tile: its sorted rows [BLOCK_M], their tokens
-    (int64), which rows are real, and their routing weights (fp32, 0 on padding). Sorted ids are token ids, or
-    ``token * IDS_PER_TOKEN + slot`` where IDS_PER_TOKEN > 1 (the deterministic mode's, padding ``M *
-    IDS_PER_TOKEN``)."""
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    """``(offs_m, token, row_valid, route_weight)`` of ROWS sorted rows from ``first_row`` (a tile's first, or its
+    tail's: :func:`_fits_tail`): the rows [ROWS], their tokens (int64), which rows are real, and their routing
+    weights (fp32, 0 on padding). Sorted ids are token ids, or ``token * IDS_PER_TOKEN + slot`` where
+    IDS_PER_TOKEN > 1 (the deterministic mode's, padding ``M * IDS_PER_TOKEN``)."""
+    offs_m = first_row + tl.arange(0, ROWS)
     token = tl.load(sorted_token_ids_ptr + offs_m)
     if IDS_PER_TOKEN > 1:
         row_valid = token < num_tokens * IDS_PER_TOKEN
@@ -53,6 +53,18 @@ def _sorted_rows(tile, sorted_token_ids_ptr, sorted_weights_ptr, num_tokens, BLO
         token = token.to(tl.int64)
     route_weight = tl.load(sorted_weights_ptr + offs_m)
     return offs_m, token, row_valid, route_weight
+
+
+@triton.jit
+def _fits_tail(row_valid, TAIL_M: tl.constexpr):
+    """Whether a sorted tile's real rows (``row_valid`` [BLOCK_M]) all lie in its first TAIL_M rows, so that its
+    programs may compute those rows only. The sort writes each expert's rows from the start of its first tile and
+    pads its last tile at the end (``fmoe2/sorting``), so a tile holding at most TAIL_M real rows holds them there.
+    With uniform routing an expert's last tile holds on average half a tile of padding, most of the work a grouped
+    GEMM wastes at 1-4 tiles per expert (docs/performance.md#the-tail-tile). Callers test ``TAIL_M > 0 and
+    _fits_tail(...)``: a constexpr test first, so that without tails the tail branch is not compiled (a value
+    returned by a jit function is not a constexpr to its caller)."""
+    return tl.sum(row_valid.to(tl.int32), axis=0) <= TAIL_M
 
 
 @triton.jit
