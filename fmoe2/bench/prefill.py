@@ -207,6 +207,57 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: str) -> None:
+    """Fraction of the dense GEMMs' speed (dense time / time) against M, one panel per shape: fmoe2 on uniform and
+    skewed routing, its best tail setting (uniform), the two GEMMs of ``torch._grouped_mm`` and fmoe2 with fp8
+    weights (uniform); the target (0.9) dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.6 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        def line(routing_kind, value, label, **style):
+            points = sorted((r["M"], value(r)) for r in rows if r["shape"] == shape and r["routing"] == routing_kind)
+            points = [(m, v) for m, v in points if v is not None]
+            if points:
+                ax.plot([m for m, _ in points], [v for _, v in points], marker="o", label=label, **style)
+
+        def of_dense(label):
+            return lambda r: r["dense_us"] / r["times_us"][label] if label in r["times_us"] else None
+
+        def best_tail(r):
+            tails = [v for k, v in r["times_us"].items() if "TAIL" in k]
+            return r["dense_us"] / min(tails) if tails else None
+
+        line("uniform", of_dense("fmoe2"), "fmoe2, uniform")
+        line("skewed", of_dense("fmoe2"), "fmoe2, skewed")
+        line("uniform", best_tail, "fmoe2 best tail, uniform", linestyle=":")
+        line("uniform", lambda r: r["dense_us"] / r["grouped_mm_us"] if r["grouped_mm_us"] else None,
+             "torch._grouped_mm GEMMs, uniform", linestyle="--")
+        for scheme in ("block", "channel"):
+            line("uniform", of_dense(f"fmoe2 fp8 {scheme}"), f"fmoe2 fp8 {scheme}, uniform", alpha=0.6)
+        ax.axhline(0.9, color="gray", linewidth=0.8, linestyle="--")
+        ax.set(xscale="log", xlabel="M (tokens)", title=shape, ylim=(0, 1.3))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("dense bmm time / time")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"Prefill against dense cuBLAS GEMMs of the same work, {result['device']}, Triton "
+                 f"{result['triton']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_path(out_dir: str, device: str) -> str:
+    """``misc/<device>_prefill.png`` beside ``misc/bench`` (``out_dir``'s parent)."""
+    name = "".join(c if c.isalnum() else "_" for c in device).strip("_")
+    return os.path.join(os.path.dirname(os.path.abspath(out_dir)), f"{name}_prefill.png")
+
+
 def run_prefill_bench(shapes: Sequence[str], ms: Sequence[int], routings: Sequence[str], tails: Sequence[int],
                       fp8_schemes: Sequence[str], out_dir: str, gen, argv=None) -> str:
     """Runs the shapes in turn; the result file is rewritten after each (a run cut short keeps those done)."""
@@ -217,4 +268,29 @@ def run_prefill_bench(shapes: Sequence[str], ms: Sequence[int], routings: Sequen
         result["results"] += bench_prefill_shape(name, ms, routings, tails, fp8_schemes, gen)
         torch.cuda.empty_cache()
         report = write_result(path, result, markdown)
+    try:
+        plot(result, plot_path(out_dir, result["device"]))
+    except ImportError:  # matplotlib is optional (the "plot" extra)
+        pass
     return report
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m fmoe2.bench.prefill <result.json> [--out-dir misc/bench]``: the report and the plot of a result
+    file again (the benchmark itself runs as ``python -m fmoe2.bench --prefill``)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m fmoe2.bench.prefill", description=main.__doc__)
+    p.add_argument("result", help="a result file of python -m fmoe2.bench --prefill")
+    p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="the plot goes beside this folder")
+    a = p.parse_args(argv)
+    with open(a.result) as f:
+        result = json.load(f)
+    print(write_result(a.result, result, markdown))
+    plot(result, plot_path(a.out_dir, result["device"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,7 @@ report, and (GPU) a run of one shape end to end."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +48,15 @@ def test_prefill_benchmark_of_one_shape(tmp_path):
         assert all(v < 2.5e-2 for v in r["rel_err"].values()) and r["dense_us"] > 0, r
         assert r["padded"] >= 1.0 and all(v > 0 for v in r["times_us"].values())
     assert "fmoe2 fp8 channel" in rows[0]["times_us"] and "fmoe2 fp8 channel" not in rows[1]["times_us"]
+
+
+def test_plot_of_the_committed_result(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fmoe2.bench.prefill import plot, plot_path
+
+    committed = Path(__file__).resolve().parents[2] / "misc" / "bench" / "prefill" / "NVIDIA_H200.json"
+    result = json.loads(committed.read_text())
+    path = plot_path(str(tmp_path / "bench"), result["device"])
+    assert path == str(tmp_path / "NVIDIA_H200_prefill.png")
+    plot(result, path)
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
