@@ -21,7 +21,6 @@ it is timed (CUDA graph, CUDA events, median). Results: ``<out-dir>/fp8_scaling/
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 from typing import Dict, List, Optional, Tuple
 

@@ -176,7 +176,6 @@ def bench_prefill_shape(name: str, ms: Sequence[int], routings: Sequence[str], t
                   f"TFLOP/s, {t_dense / times['fmoe2']:.2f} of dense)  {best_tail[1]} {best_tail[0]:9.1f}  dense "
                   f"{t_dense:9.1f}  grouped_mm {t_grouped or float('nan'):9.1f}  padded {row['padded']:.2f} "
                   + " ".join(f"{k.split()[-1]} {v:.1f}" for k, v in times.items() if 'fp8' in k), flush=True)
-        del x, out
     return rows
 
 
