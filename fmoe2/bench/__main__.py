@@ -284,6 +284,21 @@ def main(argv=None) -> int:
     if a.update and (a.lora or a.no_search):
         # --lora writes its own files whole; unsearched rows would become tuned configs (--write-configs).
         p.error("--update reruns searched plain results only (not with --lora or --no-search)")
+    if a.prefill:
+        from .prefill import ROUTINGS
+
+        if a.lora or a.dtype != "bf16" or a.shape or a.deterministic:
+            p.error("--prefill runs the named shapes (--shapes) in bf16 and fp8 itself (--fp8-schemes)")
+        if any(r not in ROUTINGS for r in a.routing.split(",")):
+            p.error(f"--routing must be a comma-separated subset of {ROUTINGS}, got {a.routing!r}")
+        try:
+            tails = [int(t) for t in a.tails.split(",") if t.strip()]
+        except ValueError:
+            tails = [0]
+        if any(t < 16 or t & (t - 1) for t in tails):
+            p.error(f"--tails must be comma-separated powers of two >= 16 (TAIL_M), got {a.tails!r}")
+        if any(s not in SCHEMES for s in a.fp8_schemes.split(",") if s):
+            p.error(f"--fp8-schemes must be a comma-separated subset of {SCHEMES}, got {a.fp8_schemes!r}")
     if not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA or ROCm GPU")
     if a.shape:
@@ -303,6 +318,12 @@ def main(argv=None) -> int:
         for name, shape in shapes.items():
             compile_share(name, shape, ms, a.compile_share, gen)
         return 0
+    if a.prefill:  # (its own references: the dense and grouped GEMMs of each point)
+        from .prefill import run_prefill_bench
+
+        print(run_prefill_bench(list(shapes), ms, a.routing.split(","), [int(t) for t in a.tails.split(",") if t],
+                                [s for s in a.fp8_schemes.split(",") if s], a.out_dir, gen, argv))
+        return 0
     ceilings = measure_ceilings()
     device = torch.cuda.get_device_name()
     meta = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -311,14 +332,6 @@ def main(argv=None) -> int:
                 ceilings=ceilings)
     print(f"{device}: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
-    if a.prefill:
-        from .prefill import run_prefill_bench
-
-        if a.lora or a.dtype != "bf16" or a.shape or a.deterministic:
-            p.error("--prefill runs the named shapes (--shapes) in bf16 and fp8 itself (--fp8-schemes)")
-        print(run_prefill_bench(list(shapes), ms, a.routing.split(","), [int(t) for t in a.tails.split(",") if t],
-                                [s for s in a.fp8_schemes.split(",") if s], a.out_dir, gen, argv))
-        return 0
     if a.deterministic:
         from .deterministic import run_deterministic_bench
 

@@ -1,6 +1,7 @@
 """What fp8's scaling costs a Triton GEMM on this GPU: ``python -m fmoe2.bench.fp8_scaling``.
 
-    python -m fmoe2.bench.fp8_scaling [--problems 8192x8192x4096,32768x1536x2048] [--out-dir misc/bench]
+    python -m fmoe2.bench.fp8_scaling [--problems 8192x8192x4096,32768x1536x2048,8192x28672x4096]
+                                      [--out-dir misc/bench]
 
 fmoe2's fp8 loops (``fmoe2/gemm/fp8_weights.py``) scale every K step's product on the CUDA cores (activations are
 quantized per row and group of 128 along K), which measured no faster than bf16 at prefill

@@ -153,8 +153,8 @@ def bench_prefill_shape(name: str, ms: Sequence[int], routings: Sequence[str], t
             row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, routing=kind, config=config.to_dict(),
                        max_rows_per_expert=int(counts.max()), mean_rows_per_expert=M * topk / E,
                        padded=padded_rows(counts, config.BLOCK_M) / (M * topk),
-                       padded_with_tail={t: padded_rows(counts, config.BLOCK_M, t) / (M * topk) for t in tails
-                                         if t < config.BLOCK_M},
+                       padded_with_tail={str(t): padded_rows(counts, config.BLOCK_M, t) / (M * topk)
+                                         for t in tails if config.path == "two_stage" and t < config.BLOCK_M},
                        times_us=times, rel_err=errors, dense_us=t_dense, grouped_mm_us=t_grouped,
                        tflops={k: flops / v / 1e6 for k, v in times.items()}, dense_tflops=flops / t_dense / 1e6)
             if kind == "uniform":

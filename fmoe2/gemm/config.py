@@ -105,8 +105,8 @@ class FusedMoEConfig:
     # Stage-2 programs per output tile, each over a share of I (more, shorter programs; S2_SPLIT_K
     # times the atomic adds per output element).
     S2_SPLIT_K: int = 1
-    # Two-stage path (16-bit weights, no adapters in stage 1): a sorted tile whose real rows fit in its first
-    # TAIL_M rows computes those only, in both stages (an expert's last tile; 0: off; a power of two below
+    # Two-stage path (16-bit and 4-bit weights; stage 1 with LoRA launches and the fp8 entries compute whole tiles):
+    # a sorted tile whose real rows fit in its first TAIL_M rows computes those only, in both stages (an expert's last tile; 0: off; a power of two below
     # BLOCK_M). Measurements: docs/performance.md#the-tail-tile
     TAIL_M: int = 0
     # The atomic adds go to a float32 accumulator [M, H] (zeroed by the sort) that is cast to the output dtype

@@ -48,6 +48,18 @@ def test_prefill_benchmark_of_one_shape(tmp_path):
         assert all(v < 2.5e-2 for v in r["rel_err"].values()) and r["dense_us"] > 0, r
         assert r["padded"] >= 1.0 and all(v > 0 for v in r["times_us"].values())
     assert "fmoe2 fp8 channel" in rows[0]["times_us"] and "fmoe2 fp8 channel" not in rows[1]["times_us"]
+    for r in rows:  # the tails below the picked two-stage config's BLOCK_M were timed beside it
+        cfg = r["config"]
+        expected = {f"fmoe2 TAIL_M={t}" for t in (32, 64) if cfg["path"] == "two_stage" and t < cfg["BLOCK_M"]}
+        assert {k for k in r["times_us"] if "TAIL" in k} == expected and set(r["padded_with_tail"]) == {
+            k.split("=")[1] for k in expected}
+
+
+def test_prefill_arguments_are_checked_before_any_run():
+    for bad in (["--tails", "48"], ["--routing", "zipf"]):
+        proc = subprocess.run([sys.executable, "-m", "fmoe2.bench", "--prefill", *bad], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 2 and ("--tails" in proc.stderr or "--routing" in proc.stderr), proc.stderr
 
 
 def test_plot_of_the_committed_result(tmp_path):
