@@ -509,3 +509,15 @@ def test_one_launch_decode_zeroes_its_accumulator_only_after_every_thread_read_i
         r = codegen(target, shape, "1")
         assert r[("fused_moe_decode", 1)]["accumulator_reset_after_reads"] is True, r[("fused_moe_decode", 1)]
         assert r[("fused_moe", 1)]["accumulator_reset_after_reads"] is None  # the sort path's cast zeroes nothing
+
+
+@pytest.mark.parametrize("target,flags", [("sm_90", ("--tuned-for", "NVIDIA_H200", "--tma")), ("gfx942", ())])
+def test_tail_tiles_compile_both_tile_heights_without_spills(target, flags):
+    # gpt-oss-20b M=1024: the H200 pick is 128-row two-stage (tensor descriptors); ROCm's default 64-row tiles.
+    tail = "64" if target == "sm_90" else "32"
+    reports = codegen(target, "32,2880,2880,4", "1024", "--tail-m", tail, *flags)
+    for kernel in ("fused_moe_stage1", "moe_stage2"):
+        rep = reports[(kernel, 1024)]
+        assert rep["config"]["TAIL_M"] == int(tail) and no_spills(rep), rep
+        if target == "sm_90":  # a 128-row and a 64-row tile: wgmma of both heights' shapes
+            assert len(rep["matrix_instructions"]) == 2 and rep["wgmma"], rep
