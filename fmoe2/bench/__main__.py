@@ -81,14 +81,14 @@ def stage_times(x, weights, topk_weights, topk_ids, config, out, lora=None, toke
     return {name: time_in_graph(launch) for name, launch in launches}
 
 
-def dense_gemm_us(E, H, I, rows_per_expert, gen) -> float:
+def dense_gemm_us(E, H, I, rows_per_expert, gen, timer=time_in_graph) -> float:
     """Calibration: the forward's two GEMMs as dense batched products through torch (cuBLAS) in bf16,
     ``rows_per_expert`` rows for each of the E experts (no gather, padding, activation or atomics):
-    what a vendor GEMM library reaches at this size."""
+    what a vendor GEMM library reaches at this size. ``timer``: how each product is timed."""
     opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)  # gen: its own, so the points' inputs stay put
     a, w13 = torch.randn(E, rows_per_expert, H, **opts), torch.randn(E, H, 2 * I, **opts)
     y, w2 = torch.randn(E, rows_per_expert, I, **opts), torch.randn(E, I, H, **opts)
-    return time_in_graph(lambda: torch.bmm(a, w13)) + time_in_graph(lambda: torch.bmm(y, w2))
+    return timer(lambda: torch.bmm(a, w13)) + timer(lambda: torch.bmm(y, w2))
 
 
 def make_inputs(M, E, H, I, topk, gen):

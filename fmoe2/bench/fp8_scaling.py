@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from fmoe2.fp8 import FP8_GROUP, fake_quantize_activations, quantize_activations
 from fmoe2.gemm.config import device_config_name
 
 from .provenance import provenance_line, run_record, write_result
@@ -36,7 +37,6 @@ from .timing import time_in_graph
 
 NO_SCALES, PER_STEP, EPILOGUE = 0, 1, 2
 VARIANTS = {"bf16": NO_SCALES, "fp8 per step": PER_STEP, "fp8 epilogue": EPILOGUE}
-FP8_GROUP = 128
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); fp8 steps of BLOCK_K=128 are one activation group
 TILES = {"bf16": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)],
          "fp8": [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4)]}
@@ -79,16 +79,6 @@ def _scaled_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, 
              mask=m_valid[:, None] & n_valid[None, :])
 
 
-def quantize_rows(t: torch.Tensor, group: Optional[int], fp8_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp8 ``t`` [R, K] and float32 scales, per row (``group`` None: [R]) or per row and group ([R, K // group]),
-    scale = amax / the fp8 maximum."""
-    fp8_max = torch.finfo(fp8_dtype).max
-    rows = t.float() if group is None else t.float().view(t.shape[0], -1, group)
-    amax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    q = (rows * (fp8_max / amax)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return q.view(t.shape), (amax / fp8_max).squeeze(-1)
-
-
 def scaled_gemm(a, b, scaling: int, a_scale=None, b_scale=None, out=None, tile=(128, 128, 64, 8, 4)):
     """``_scaled_gemm_kernel`` on ``a`` [M, K], ``b`` [N, K] into bf16 ``out`` [M, N]; K a multiple of BLOCK_K."""
     M, K = a.shape
@@ -107,24 +97,23 @@ def scaled_gemm(a, b, scaling: int, a_scale=None, b_scale=None, out=None, tile=(
 
 def operands(M: int, N: int, K: int, device, fp8_dtype, gen) -> Dict[str, tuple]:
     """Each variant's ``(a, b, a_scale, b_scale)`` from one random bf16 problem, and the float32 reference of
-    each (its own quantization's dequantized product)."""
+    each (its own quantization's dequantized product; fmoe2's own quantization, ``fmoe2.fp8``)."""
     a = torch.randn(M, K, device=device, generator=gen).to(torch.bfloat16)
     b = (torch.randn(N, K, device=device, generator=gen) / K ** 0.5).to(torch.bfloat16)
-    qb, sb = quantize_rows(b, None, fp8_dtype)
-    q_step, s_step = quantize_rows(a, FP8_GROUP, fp8_dtype)
-    q_row, s_row = quantize_rows(a, None, fp8_dtype)
-    deq_b = qb.float() * sb[:, None]
-    deq_step = (q_step.float().view(M, -1, FP8_GROUP) * s_step[:, :, None]).view(M, K)
+    qb, sb = quantize_activations(b, fp8_dtype, K)  # per row of B: per output channel
+    q_step, s_step = quantize_activations(a, fp8_dtype, FP8_GROUP)
+    q_row, s_row = quantize_activations(a, fp8_dtype, K)
+    deq_b = fake_quantize_activations(b, fp8_dtype, K)
     return {"bf16": ((a, b, None, None), a.float() @ b.float().T),
-            "fp8 per step": ((q_step, qb, s_step.contiguous(), sb), deq_step @ deq_b.T),
-            "fp8 epilogue": ((q_row, qb, s_row.contiguous(), sb), (q_row.float() * s_row[:, None]) @ deq_b.T)}
-
-
-def rel_err(out, ref) -> float:
-    return ((out.float() - ref).norm() / ref.norm()).item()
+            "fp8 per step": ((q_step, qb, s_step.contiguous(), sb[:, 0].contiguous()),
+                             fake_quantize_activations(a, fp8_dtype, FP8_GROUP) @ deq_b.T),
+            "fp8 epilogue": ((q_row, qb, s_row[:, 0].contiguous(), sb[:, 0].contiguous()),
+                             fake_quantize_activations(a, fp8_dtype, K) @ deq_b.T)}
 
 
 def bench_problem(M: int, N: int, K: int, gen) -> dict:
+    from .__main__ import rel_err
+
     fp8_dtype = torch.float8_e4m3fn
     problem = operands(M, N, K, "cuda", fp8_dtype, gen)
     flops = 2 * M * N * K

@@ -37,7 +37,7 @@ import torch
 import fmoe2
 from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import plan_of
-from fmoe2.shapes import ALL_SHAPES, SHAPE_OPTIONS
+from fmoe2.shapes import ALL_SHAPES
 
 from .provenance import provenance_line, run_record, write_result
 from .timing import time_in_graph
@@ -51,10 +51,6 @@ FP8_TOL = 2.5e-2  # against the same-quantization reference (fmoe2/bench/fp8.py'
 
 def _time(fn) -> float:
     return time_in_graph(fn, calls_per_graph=5, replays=10, warmup=2)
-
-
-def _rel(out, ref) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def routing(M: int, E: int, topk: int, kind: str, gen):
@@ -76,14 +72,6 @@ def padded_rows(counts: torch.Tensor, block_m: int, tail_m: int = 0) -> int:
     last = torch.where(rest == 0, 0, torch.where(rest <= tail_m, tail_m, block_m)) if tail_m else \
         torch.where(rest == 0, 0, block_m)
     return int((full + last).sum())
-
-
-def dense_us(E: int, H: int, I: int, rows: int, gen) -> float:
-    """The forward's two GEMMs as dense batched products, ``rows`` rows for each expert (cuBLAS, bf16)."""
-    opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
-    a, w13 = torch.randn(E, rows, H, **opts), torch.randn(E, H, 2 * I, **opts)
-    y, w2 = torch.randn(E, rows, I, **opts), torch.randn(E, I, H, **opts)
-    return _time(lambda: torch.bmm(a, w13)) + _time(lambda: torch.bmm(y, w2))
 
 
 def grouped_mm_us(x, w1, w2, topk_ids, E: int) -> Optional[float]:
@@ -109,15 +97,10 @@ def grouped_mm_us(x, w1, w2, topk_ids, E: int) -> Optional[float]:
 
 def bench_prefill_shape(name: str, ms: Sequence[int], routings: Sequence[str], tails: Sequence[int],
                         fp8_schemes: Sequence[str], gen) -> List[dict]:
+    from .__main__ import dense_gemm_us, make_weights, rel_err
+
     E, H, I, topk = ALL_SHAPES[name]
-    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
-    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
-    options = dict(SHAPE_OPTIONS.get(name, {}))
-    biases = {}
-    if options.pop("biases", False):
-        biases = dict(w1_bias=torch.randn(E, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1,
-                      w2_bias=torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.1)
-    prepared = fmoe2.prepare_weights(w1, w2, **biases)
+    w1, w2, options, biases, prepared = make_weights(name, (E, H, I, topk), gen)
     fp8_weights = {}
     for scheme in fp8_schemes:
         q1, s1 = fmoe2.quantize_fp8_weights(w1, scheme)
@@ -129,13 +112,13 @@ def bench_prefill_shape(name: str, ms: Sequence[int], routings: Sequence[str], t
         flops = 2 * M * topk * 3 * H * I
         x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty_like(x)
-        t_dense = dense_us(E, H, I, -(-M * topk // E), gen)
+        t_dense = dense_gemm_us(E, H, I, -(-M * topk // E), gen, timer=_time)
         for kind in routings:
             tw, ti = routing(M, E, topk, kind, gen)
             counts = torch.bincount(ti.flatten().long(), minlength=E).cpu()
             ref = fmoe2.fused_moe_reference(x.float(), w1.float(), w2.float(), tw, ti,
                                             **{k: v.float() for k, v in biases.items()}, **options)
-            err = _rel(fmoe2.fused_moe(x, prepared, None, tw, ti, **options), ref)
+            err = rel_err(fmoe2.fused_moe(x, prepared, None, tw, ti, **options), ref)
             config = plan_of(x, prepared, None, tw, ti, **options).config
             variants = {"fmoe2": None}
             for tail in tails:
@@ -145,7 +128,7 @@ def bench_prefill_shape(name: str, ms: Sequence[int], routings: Sequence[str], t
             for label, cfg in variants.items():
                 kw = dict(options, config=cfg) if cfg is not None else options
                 if cfg is not None:
-                    errors[label] = _rel(fmoe2.fused_moe(x, prepared, None, tw, ti, **kw), ref)
+                    errors[label] = rel_err(fmoe2.fused_moe(x, prepared, None, tw, ti, **kw), ref)
                 if errors[label] > BF16_TOL or not math.isfinite(errors[label]):
                     raise SystemExit(f"{name} M={M} {kind} {label}: relative error {errors[label]:.2e} > {BF16_TOL}")
                 times[label] = _time(lambda kw=kw: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, **kw))
@@ -161,7 +144,7 @@ def bench_prefill_shape(name: str, ms: Sequence[int], routings: Sequence[str], t
                 for scheme, (q1, q2, scales, fp8_prepared) in fp8_weights.items():
                     fp8_ref = fmoe2.fused_moe_reference(x.float(), q1, q2, tw, ti, **scales,
                                                         **{k: v.float() for k, v in biases.items()}, **options)
-                    fp8_err = _rel(fmoe2.fused_moe(x, fp8_prepared, None, tw, ti, **options), fp8_ref)
+                    fp8_err = rel_err(fmoe2.fused_moe(x, fp8_prepared, None, tw, ti, **options), fp8_ref)
                     if fp8_err > FP8_TOL or not math.isfinite(fp8_err):
                         raise SystemExit(f"{name} M={M} fp8 {scheme}: relative error {fp8_err:.2e} > {FP8_TOL}")
                     label = f"fmoe2 fp8 {scheme}"

@@ -1,9 +1,10 @@
 """The fp8-scaling benchmark's kernel (fmoe2/bench/fp8_scaling.py) under the interpreter: each scaling variant
-against the float32 product of its own dequantized operands, and the quantization's round trip."""
+against the float32 product of its own dequantized operands (fmoe2.fp8's quantization), and the report."""
 import pytest
 import torch
 
-from fmoe2.bench.fp8_scaling import FP8_GROUP, VARIANTS, markdown, operands, quantize_rows, rel_err, scaled_gemm
+from fmoe2.bench.__main__ import rel_err
+from fmoe2.bench.fp8_scaling import VARIANTS, markdown, operands, scaled_gemm
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -18,14 +19,10 @@ def test_each_scaling_matches_its_reference(name):
         assert rel_err(scaled_gemm(a, b, VARIANTS["bf16"], None, None, tile=(16, 16, 128, 4, 2)), ref) > 0.5
 
 
-def test_quantization_per_row_and_group():
-    t = torch.randn(3, 2 * FP8_GROUP) * torch.tensor([[1.0], [100.0], [1e-3]])
-    q, s = quantize_rows(t, FP8_GROUP, torch.float8_e4m3fn)
-    assert s.shape == (3, 2)
-    back = q.float().view(3, 2, FP8_GROUP) * s[:, :, None]
-    assert ((back.view(3, -1) - t).norm(dim=1) / t.norm(dim=1)).max() < 0.05
+def test_k_must_be_whole_steps():
+    t = torch.randn(16, 256).half()
     with pytest.raises(ValueError, match="BLOCK_K"):
-        scaled_gemm(t.half(), t.half(), 0, tile=(16, 16, 96, 4, 2))
+        scaled_gemm(t, t, 0, tile=(16, 16, 96, 4, 2))
 
 
 def test_report():
