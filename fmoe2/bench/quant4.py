@@ -31,7 +31,7 @@ import torch
 import fmoe2
 from .. import quant4
 from ..shapes import ALL_SHAPES as SHAPES
-from .__main__ import floor_us, measure_ceilings
+from .__main__ import floor_us, measure_ceilings, rel_err
 from .provenance import provenance_line, run_record, write_result
 from .timing import time_graphs_in_turns
 from .vllm_style import vllm_default_config, vllm_style_fused_experts
@@ -99,7 +99,7 @@ def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Gene
         out.fill_(float("nan"))
         got = fn().float()
         ref = ref16 if label == "bf16" else ref4
-        errors[label] = ((got - ref.float()).norm() / ref.float().norm()).item()
+        errors[label] = rel_err(got, ref.float())
         if not errors[label] <= TOLERANCE:
             failed.append(label)
             print(f"FAILED {w.name} M={M} {label}: relative error {errors[label]:.2e}", flush=True)
