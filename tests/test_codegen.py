@@ -414,25 +414,26 @@ def test_codegen_reports_the_stages_as_fused_moe_runs_them_with_adapters(monkeyp
 GPT_OSS_CHECK = """
 import json, torch
 from fmoe2.codegen import TARGETS, _compile_spec
-from fmoe2.gemm.config import get_config
+from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
 from fmoe2.gemm.launches import MoEProblem, TwoStageWorkspace, fused_kernel_launch, stage2_kernel_launch
 from fmoe2.sorting import MoESortingResult
 from fmoe2.target import NAMED_TARGETS
 
 E, H, I, topk = 32, 2880, 2880, 4  # gpt-oss-20b, its weights as transformers stores them, read in place
 meta = dict(device="meta", dtype=torch.bfloat16)
-for target in ("sm_90", "gfx942"):
+for target, tuned_for, ms in (("sm_90", "NVIDIA_H200", (1, 64, 512, 4096)), ("sm_90", None, (1, 64)),
+                              ("gfx942", None, (1, 2048))):
     named = NAMED_TARGETS[target]
-    for M in (1, 2048):
+    for M in ms:
         x = torch.empty(M, H, **meta)
         w1 = torch.empty(E, H, 2 * I, **meta).transpose(1, 2)  # gate_up_proj [E, H, 2I], interleaved
         w2 = torch.empty(E, I, H, **meta).transpose(1, 2)  # down_proj [E, I, H]
         problem = MoEProblem(x, w1, w2, True, E, H, I, topk, w1_bias=torch.empty(E, 2 * I, **meta),
                              w2_bias=torch.empty(E, H, **meta), swiglu_alpha=1.702, swiglu_limit=7.0)
-        pick = dict(backend=named.backend, arch=named.arch if named.backend == "hip" else None)
-        auto = get_config(M, E, H, I, topk, torch.bfloat16, **pick).path
+        shape = ConfigProblem(M, E, H, I, topk, torch.bfloat16)
+        auto = resolve_config(shape, ConfigMode(), named, tuned_for=tuned_for).path
         for path in ("fused", "two_stage"):
-            cfg = get_config(M, E, H, I, topk, torch.bfloat16, path=path, **pick)
+            cfg = resolve_config(shape, ConfigMode(), named, path=path, tuned_for=tuned_for)
             sorting = MoESortingResult.allocate(M * topk, E, cfg.BLOCK_M, M, "meta")
             workspace = TwoStageWorkspace.allocate(problem, sorting, cfg, named) if path == "two_stage" else None
             specs = [fused_kernel_launch(problem, x, sorting, "swiglu_oai", cfg, named, workspace)]
@@ -442,25 +443,27 @@ for target in ("sm_90", "gfx942"):
             if workspace is not None:
                 assert specs[1].args["stride_b_k"] == H and specs[1].args["bias_ptr"] is not None
             for spec in specs:
-                print(json.dumps({"target": target, "M": M, "path": path, "auto": path == auto, "kernel": spec.name,
-                                  **_compile_spec(spec, TARGETS[target])}))
+                print(json.dumps({"target": target, "tuned_for": tuned_for, "M": M, "path": path,
+                                  "auto": path == auto, "kernel": spec.name, **_compile_spec(spec, TARGETS[target])}))
 """
 
 
 def test_gpt_oss_kernels_compile():
-    # gpt-oss-20b: transposed, interleaved weights read through their strides, gate/up and down biases, the
-    # clamped swiglu_oai; both paths compile for sm_90 and gfx942 with matrix instructions, the path "auto"
-    # picks without spills. (Forced onto the two-stage path at M=1, the default stage-1 tiles, BLOCK_K=128
-    # with 4 stages and 4 warps, spill 171 instructions on sm_90 with transposed weights, none with
-    # K-contiguous ones: Triton 3.9, 2026-11-25.)
+    # gpt-oss-20b: transposed, interleaved weights read through their strides (N-contiguous), gate/up and down
+    # biases, the clamped swiglu_oai; both paths, with the H200's tuned configs and the default rules, compile for
+    # sm_90 and gfx942 with matrix instructions, the path "auto" picks without spills, the other path with a few at
+    # most. Before the weight tiles were loaded in the dot's [K, N] orientation, the H200's M=64 pick spilled 3662
+    # instructions in stage 1 with these weights and ran 37x slower than with K-contiguous ones (issue 55); forced
+    # two-stage at M=1, 171. (Forced fused at M=512, the H200's two-stage tiling refitted: 3 spill instructions with
+    # Triton 3.9, none with 3.6.)
     proc = subprocess.run([sys.executable, "-c", GPT_OSS_CHECK], capture_output=True, text=True,
                           env=codegen_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 12 and sum(rep["auto"] for rep in reports) == 6
+    assert len(reports) == 8 * 3 and sum(rep["auto"] for rep in reports) >= 8
     for rep in reports:
         assert rep["matrix_instructions"], rep
-        assert no_spills(rep) or not rep["auto"], rep
+        assert no_spills(rep) if rep["auto"] else rep.get("spill_instructions", rep.get("vgpr_spills")) <= 8, rep
 
 
 FP8_MATRIX = {"sm_90": "QGMMA", "gfx942": "v_mfma_f32_16x16x32_fp8_fp8", "gfx950": "v_mfma_f32_16x16x128_f8f6f4"}

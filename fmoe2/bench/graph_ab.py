@@ -16,7 +16,10 @@ weights each copy prepares itself (``prepare_weights``, ``prepare_lora``) from t
 * ``lora``: bf16 weights with 4 adapters of rank 16, about 20% of the tokens without one
   (``fmoe2/bench/lora.py``'s ``make_adapters`` and ``make_token_lora_ids``);
 * ``fp8``: block-scaled fp8 weights, blocks of 128 x 128 (``quantize_fp8_weights``), prepared with their scales;
-* ``deterministic``: bf16 weights, ``deterministic=True``.
+* ``deterministic``: bf16 weights, ``deterministic=True``;
+* ``unprepared``: bf16 weights passed as they are, ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` (K-contiguous);
+* ``transposed``: the same values as transposed views of N-contiguous ``[E, H, 2I]`` / ``[E, I, H]`` tensors, as
+  transformers' gpt-oss experts hold them (issue 55: these once ran 37x slower than K-contiguous weights).
 
 Before timing, both outputs of every point are checked against the float32 reference (``fused_moe_reference``;
 fp8: the reference with the same quantization) within the correctness grid's bounds (``correctness.BOUND``).
@@ -37,7 +40,7 @@ import torch
 import fmoe2
 from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import plan_of
-from fmoe2.shapes import SHAPES
+from fmoe2.shapes import ALL_SHAPES, SHAPES
 
 from .__main__ import make_inputs, random_weights
 from .correctness import BOUND, FP8_BLOCK, relative_error
@@ -45,7 +48,10 @@ from .lora import make_adapters, make_token_lora_ids
 from .provenance import provenance_line, rewrite_report, run_record, write_result
 from .timing import time_interleaved
 
-MODES = ("plain", "lora", "fp8", "deterministic")
+MODES = ("plain", "lora", "fp8", "deterministic", "unprepared", "transposed")
+# Modes whose weights go to fused_moe as tensors, not prepared: K-contiguous [E, 2I, H] / [E, H, I] as made, or
+# transposed views of N-contiguous [E, H, 2I] / [E, I, H] tensors (transformers' gpt-oss layout).
+UNPREPARED_MODES = ("unprepared", "transposed")
 # The LoRA benchmark's defaults (fmoe2/bench/lora.py): adapters, their rank, the share of tokens without one.
 NUM_LORAS, LORA_RANK, NONE_FRACTION = 4, 16, 0.2
 
@@ -108,22 +114,28 @@ def mode_weights(mode: str, E: int, H: int, I: int, gen: torch.Generator) -> dic
         lora = make_adapters(NUM_LORAS, E, H, I, LORA_RANK, gen)
     elif mode == "deterministic":
         options = dict(deterministic=True)
-    elif mode != "plain":
+    elif mode == "transposed":
+        w1, w2 = w1.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)
+    elif mode not in ("plain", "unprepared"):
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return dict(w1=w1, w2=w2, scales=scales, lora=lora, options=options,
+    return dict(w1=w1, w2=w2, scales=scales, lora=lora, options=options, prepare=mode not in UNPREPARED_MODES,
                 bound=BOUND["fp8" if mode == "fp8" else "bf16"])
 
 
 def copy_arguments(package, weights: dict) -> dict:
-    """``package``'s (this fmoe2 or the other copy) own prepared weights and adapters of :func:`mode_weights`'
-    tensors: the copy's ``prepare_weights`` with the scales, and its ``prepare_lora`` of its own ``MoELoRA``
-    built from the same tensors (each copy checks the classes it defines)."""
-    prepared = package.prepare_weights(weights["w1"], weights["w2"], **weights["scales"])
+    """``package``'s (this fmoe2 or the other copy) own arguments of :func:`mode_weights`' tensors: ``weights``,
+    the ``(w1, w2)`` of ``fused_moe`` (the copy's ``prepare_weights`` with the scales and None, or the tensors
+    themselves where the mode does not prepare them), and ``lora``, the copy's ``prepare_lora`` of its own
+    ``MoELoRA`` built from the same tensors (each copy checks the classes it defines)."""
+    if weights["prepare"]:
+        pair = (package.prepare_weights(weights["w1"], weights["w2"], **weights["scales"]), None)
+    else:
+        pair = (weights["w1"], weights["w2"])
     lora = weights["lora"]
     if lora is not None:
         lora = package.prepare_lora(package.MoELoRA(**{f.name: getattr(lora, f.name)
                                                        for f in dataclasses.fields(lora)}))
-    return dict(weights=prepared, lora=lora)
+    return dict(weights=pair, lora=lora)
 
 
 def reference_output(weights: dict, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -160,10 +172,10 @@ def ab_point(other, name: str, mode: str, shape, M: int, weights: dict, args: di
     for label, package in (("this", fmoe2), ("other", other)):
         out = torch.empty_like(x)
         calls[label] = (lambda fn=package.fused_moe, w=args[label]["weights"], out=out, kw=kwargs[label]:
-                        fn(x, w, None, tw, ti, out=out, **kw))
+                        fn(x, *w, tw, ti, out=out, **kw))
         errors[label] = checked_error(f"{name} M={M} {mode} ({label})", calls[label](), ref, weights["bound"])
     times = time_interleaved(calls, rounds=rounds)
-    plan = plan_of(x, args["this"]["weights"], None, tw, ti, **kwargs["this"])  # the config this tree ran
+    plan = plan_of(x, *args["this"]["weights"], tw, ti, **kwargs["this"])  # the config this tree ran
     return dict(shape=name, M=M, mode=mode, this_us=times["this"], other_us=times["other"],
                 ratio=times["this"] / times["other"], this_rel_err=errors["this"], other_rel_err=errors["other"],
                 config=plan.config.to_dict() if plan is not None else None)
@@ -187,7 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--other", help="folder holding the other copy of the fmoe2 package")
     p.add_argument("--report", default=None, metavar="JSON", help="only rewrite the markdown of a result file")
     p.add_argument("--modes", default="plain", help=f"comma-separated forwards from {MODES}")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated names from {sorted(ALL_SHAPES)}")
     p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="results go to <out-dir>/host/")
@@ -213,12 +225,12 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'shape':18s} {'M':>6s} {'mode':13s} {'this us':>9s} {'other us':>9s} {'ratio':>6s}", flush=True)
     for name in a.shapes.split(","):
-        E, H, I, topk = SHAPES[name]
+        E, H, I, topk = ALL_SHAPES[name]
         for mode in a.modes:
             weights = mode_weights(mode, E, H, I, gen)
             args = {"this": copy_arguments(fmoe2, weights), "other": copy_arguments(other, weights)}
             for M in (int(m) for m in a.m.split(",")):
-                row = ab_point(other, name, mode, SHAPES[name], M, weights, args, a.rounds, gen)
+                row = ab_point(other, name, mode, ALL_SHAPES[name], M, weights, args, a.rounds, gen)
                 rows.append(row)
                 print(f"{name:18s} {M:6d} {mode:13s} {row['this_us']:9.1f} {row['other_us']:9.1f} "
                       f"{row['ratio']:6.3f}", flush=True)

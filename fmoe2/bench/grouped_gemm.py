@@ -56,9 +56,9 @@ def _gathered_gemm_kernel(
             bs_expert, stride_bs_group_n = _expert_scales(b_group_scale_ptr, expert, stride_b_e, stride_b_n,
                                                           WEIGHT_GROUP)
             bs_rows = bs_expert + offs_n * stride_bs_group_n
-        acc = _tile_gemm_16bit(a_ptr + a_row[:, None] * stride_a_m, None, 0, row_valid, b_rows, None, 0, n_valid,
-                               stride_b_k, k_first, k_end, K, bs_rows, stride_b_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                               WEIGHT_GROUP)
+        acc = _tile_gemm_16bit(a_ptr + a_row[:, None] * stride_a_m, None, 0, row_valid, b_ptr + expert * stride_b_e,
+                               offs_n, None, 0, n_valid, stride_b_n, stride_b_k, k_first, k_end, K, bs_rows, BLOCK_M,
+                               BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, None, offs_m, offs_n, n_valid, k_first)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]

@@ -2,9 +2,9 @@
 experts backend.
 
 Models are built from real configs' layer sizes with random bf16 weights on the GPU (no download),
-``--layers`` decoder layers each: Qwen3-30B-A3B, Mixtral-8x7B and gpt-oss-20b. For every model, batch
-size and backend (transformers' ``eager``, ``grouped_mm``, ``batched_mm``, and ``fmoe2``), greedy
-``generate`` of ``--new-tokens`` tokens after a ``--prompt``-token prompt: the prefill time (a
+``--layers`` decoder layers each: Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b, Qwen1.5-MoE-A2.7B and OLMoE-1B-7B.
+For every model, batch size and backend (transformers' ``eager``, ``grouped_mm``, ``batched_mm``, and
+``fmoe2``), greedy ``generate`` of ``--new-tokens`` tokens after a ``--prompt``-token prompt: the prefill time (a
 ``generate`` of one token) and the decode rate ``batch * (new_tokens - 1) / (t_generate - t_prefill)``,
 median of ``--repeats`` timed runs after a warm-up run, the GPU synchronised around each. ``--compile``
 adds runs with a static cache, which transformers compiles (``torch.compile``) for the decode steps,
@@ -41,6 +41,14 @@ MODELS = {
     "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
                                     num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
                                     vocab_size=201088, sliding_window=128, max_position_embeddings=4096)),
+    # Qwen1.5-MoE-A2.7B (qwen2_moe: a shared expert beside the routed ones) and OLMoE-1B-7B
+    "qwen1.5-moe-a2.7b": ("qwen2_moe", dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                                            shared_expert_intermediate_size=5632, num_attention_heads=16,
+                                            num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+                                            vocab_size=151936, max_position_embeddings=4096)),
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16,
+                                  num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
+                                  max_position_embeddings=4096)),
 }
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "fmoe2")
 

@@ -46,18 +46,22 @@ def _k_share_program(pid, num_grid_tiles, N, K, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, n_valid, stride_b_k, k_first, k_end,
-                     K, bs_rows, b_row_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     WEIGHT_GROUP: tl.constexpr):
+def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_expert, offs_n, b_desc, b_row0, n_valid, stride_b_n,
+                     stride_b_k, k_first, k_end, K, bs_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """``A[rows] @ B[expert, N block]^T`` over K in ``[k_first, k_end)``, fp32 [BLOCK_M, BLOCK_N]; ``a_rows``
-    [BLOCK_M, 1] and ``b_rows`` [BLOCK_N, 1] pointers, or tensor descriptors (None: pointer loads) at rows
-    ``a_row0`` and ``b_row0`` (B's rows past this expert's N belong to the next expert: masked at the store;
-    A's past the descriptor's end read as zero). ``bs_rows`` (None: 16-bit B): [BLOCK_N] pointers to the group
-    scales of 4-bit B, whose ``b_rows`` then point at packed rows of ``b_row_bytes`` (``operands._packed_weight_load``)."""
+    [BLOCK_M, 1] pointers and B's rows ``offs_n`` of the expert's ``b_expert`` (``stride_b_n`` / ``stride_b_k``
+    apart: any strides; tiles loaded ``[K, N]``, as ``operands.py`` says why), or tensor descriptors (None:
+    pointer loads) at rows ``a_row0`` and ``b_row0`` (B's rows past this expert's N belong to the next expert:
+    masked at the store; A's past the descriptor's end read as zero). ``bs_rows`` (None: 16-bit B): [BLOCK_N]
+    pointers to the group scales of 4-bit B, whose rows are then packed, ``stride_b_n`` bytes apart
+    (``operands._packed_weight_load``)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_rows = b_expert + offs_n[:, None] * stride_b_n
+    b_cols = b_expert + offs_n[None, :] * stride_b_n
     if bs_rows is not None:  # 4-bit B: the first step's tile, each step then loading the next one's
-        next_packed, next_scales = _packed_weight_load(b_rows, k_first, b_row_bytes, n_valid, bs_rows, BLOCK_K,
+        next_packed, next_scales = _packed_weight_load(b_rows, k_first, stride_b_n, n_valid, bs_rows, BLOCK_K,
                                                        WEIGHT_GROUP)
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
@@ -68,15 +72,14 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_rows, b_desc, b_row0, 
             a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         if bs_rows is not None:
             packed, scales = next_packed, next_scales
-            next_packed, next_scales = _packed_weight_load(b_rows, k0 + BLOCK_K, b_row_bytes, n_valid, bs_rows,
+            next_packed, next_scales = _packed_weight_load(b_rows, k0 + BLOCK_K, stride_b_n, n_valid, bs_rows,
                                                            BLOCK_K, WEIGHT_GROUP)
             acc = _packed_dot(a, packed, scales, acc, BLOCK_K, WEIGHT_GROUP)
+        elif b_desc is not None:
+            acc = tl.dot(a, tl.trans(b_desc.load([b_row0, k0])), acc, input_precision="ieee")
         else:
-            if b_desc is not None:
-                b = b_desc.load([b_row0, k0])
-            else:
-                b = tl.load(b_rows + k[None, :] * stride_b_k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            b = tl.load(b_cols + k[:, None] * stride_b_k, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
 
 
@@ -216,9 +219,9 @@ def _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc, b_desc, bias_ptr, row
         bs_expert, stride_bs_n = _expert_scales(b_scale_ptr, expert, stride_b_e, stride_b_n, WEIGHT_GROUP)
         bs_rows = bs_expert + offs_n * stride_bs_n
     acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, first_row, row_valid,
-                           b_ptr + expert * stride_b_e + offs_n[:, None] * stride_b_n, b_desc,
-                           (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_k,
-                           k_first, k_end, K, bs_rows, stride_b_n, ROWS, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
+                           b_ptr + expert * stride_b_e, offs_n, b_desc,
+                           (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_n,
+                           stride_b_k, k_first, k_end, K, bs_rows, ROWS, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     if lora_shrink_ptr is not None:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
         if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):

@@ -5,6 +5,14 @@ also carry the LoRA operands (the stacked shrink rides the gate/up K loop, the e
 ``lora_kernel.py``). Other weight formats have their loops in a module of their own (``fp8_weights.py``). ``stride_w1_k`` / ``stride_w2_i`` are 1 (a constant) but for
 transposed weights read in place. Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a
 testing dtype) and no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
+
+Weight tiles come through pointers as ``[K, N]``, the dot's own operand shape, whichever of the weight's
+dimensions is contiguous. For K-contiguous weights (``[E, 2I, H]``) the gate/up loop compiles to the same PTX as an
+``[N, K]`` load and a ``tl.trans`` did (sm_80, sm_90; the down loops' code changed, their speed did not: graph A/B
+0.97-1.01x on the H200); for N-contiguous ones (transformers' transposed ``[E, H, 2I]`` views) the ``[N, K]`` load and
+transpose compiled to register loads without ``cp.async`` and spilled (3662 spill instructions in stage 1 of
+gpt-oss-20b's H200 pick at M=64, which ran 37x slower than with K-contiguous weights: issue 55). Tensor-descriptor
+tiles come as their block, ``[N, K]``, and are transposed for the dot.
 """
 import triton
 import triton.language as tl
@@ -134,6 +142,7 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
     shrink = tl.zeros([BLOCK_M, STACK], dtype=tl.float32)
     if GATE_UP_INTERLEAVED:
         w_rows = w1_expert + offs_r[:, None] * stride_w1_n
+        w_cols = w1_expert + offs_r[None, :] * stride_w1_n
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         if s1_expert is not None:  # 4-bit weights: the first step's tile, each step then loading the next one's
             s_rows = s1_expert + offs_r * stride_s1_n
@@ -150,29 +159,29 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
                 acc = _packed_dot(a, packed, scales, acc, BLOCK_K, WEIGHT_GROUP)
             else:
                 if w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
-                    b = w13_desc.load([w13_row0, k0])
-                else:
-                    b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :],
+                    acc = tl.dot(a, tl.trans(w13_desc.load([w13_row0, k0])), acc, input_precision="ieee")
+                else:  # (loaded [K, N], as the dot takes it: see the module docstring)
+                    b = tl.load(w_cols + k[:, None] * stride_w1_k, mask=r_valid[None, :] & k_valid[:, None],
                                 other=0.0)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
             if WITH_LORA:
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         tl.static_assert(s1_expert is None, "4-bit weights are prepared, with interleaved gate/up rows")
-        gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
-        up_rows = gate_rows + I * stride_w1_n
+        gate_cols = w1_expert + offs_n[None, :] * stride_w1_n
+        up_cols = gate_cols + I * stride_w1_n
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H
-            w_mask = n_valid[:, None] & k_valid[None, :]
+            w_mask = k_valid[:, None] & n_valid[None, :]
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            bg = tl.load(gate_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
-            bu = tl.load(up_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
-            gate = tl.dot(a, tl.trans(bg), gate, input_precision="ieee")
-            up = tl.dot(a, tl.trans(bu), up, input_precision="ieee")
+            bg = tl.load(gate_cols + k[:, None] * stride_w1_k, mask=w_mask, other=0.0)
+            bu = tl.load(up_cols + k[:, None] * stride_w1_k, mask=w_mask, other=0.0)
+            gate = tl.dot(a, bg, gate, input_precision="ieee")
+            up = tl.dot(a, bu, up, input_precision="ieee")
             if WITH_LORA:
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
     return gate, up, shrink
@@ -228,11 +237,11 @@ def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs
                                       y.shape[1], WEIGHT_GROUP)
             else:
                 if w2_desc is not None:
-                    w = w2_desc.load([w2_row0 + h0, slice_col0])
+                    partial = tl.dot(y, tl.trans(w2_desc.load([w2_row0 + h0, slice_col0])), input_precision="ieee")
                 else:
-                    w = tl.load(w2_expert + offs_h[:, None] * stride_w2_h + offs_n[None, :] * stride_w2_i,
-                                mask=h_valid[:, None] & n_valid[None, :], other=0.0)
-                partial = tl.dot(y, tl.trans(w), input_precision="ieee")
+                    w = tl.load(w2_expert + offs_n[:, None] * stride_w2_i + offs_h[None, :] * stride_w2_h,
+                                mask=n_valid[:, None] & h_valid[None, :], other=0.0)
+                    partial = tl.dot(y, w, input_precision="ieee")
             if b2_expert is not None:
                 b2 = tl.load(b2_expert + offs_h, mask=h_valid, other=0.0).to(tl.float32)
                 partial += bias_weight[:, None] * b2[None, :]

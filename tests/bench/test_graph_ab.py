@@ -41,8 +41,13 @@ def test_mode_weights_and_each_copys_arguments(mode):
     assert weights["options"] == ({"deterministic": True} if mode == "deterministic" else {})
     assert (weights["lora"] is not None) == (mode == "lora")
     args = graph_ab.copy_arguments(fmoe2, weights)
-    assert isinstance(args["weights"], fmoe2.PreparedMoEWeights)
-    assert (args["weights"].s13 is not None) == (mode == "fp8")
+    if mode in graph_ab.UNPREPARED_MODES:  # the tensors themselves, K- or N-contiguous
+        assert args["weights"][0] is weights["w1"] and args["weights"][1] is weights["w2"]
+        assert (weights["w1"].stride(1) == 1 and weights["w2"].stride(1) == 1) == (mode == "transposed")
+        assert weights["w1"].stride(2) == (2 * 192 if mode == "transposed" else 1)
+    else:
+        assert isinstance(args["weights"][0], fmoe2.PreparedMoEWeights) and args["weights"][1] is None
+        assert (args["weights"][0].s13 is not None) == (mode == "fp8")
     if mode == "lora":
         lora = weights["lora"]
         assert isinstance(lora, fmoe2.MoELoRA) and lora.gate_a.shape == (graph_ab.NUM_LORAS, E, graph_ab.LORA_RANK, H)

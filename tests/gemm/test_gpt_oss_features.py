@@ -33,7 +33,8 @@ def _interleave(w1, b1):
 
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("layout", ["plain", "interleaved", "transposed", "prepared", "prepared_from_interleaved"])
+@pytest.mark.parametrize("layout", ["plain", "interleaved", "transposed", "transposed_concatenated", "prepared",
+                                    "prepared_from_interleaved"])
 def test_gpt_oss_expert_layouts_with_biases_and_clamped_swiglu(layout, dtype, path):
     M, E, H, I, topk = 13, 5, 40, 40, 4  # H, I not multiples of 16, E not a power of two, 3 slices of I
     x, w1, w2, tw, ti = make_problem(M, E, H, I, topk, dtype, seed=3)
@@ -56,6 +57,10 @@ def test_gpt_oss_expert_layouts_with_biases_and_clamped_swiglu(layout, dtype, pa
         args = (gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2))
         extra = dict(w1_bias=b1i, w2_bias=b2, gate_up_interleaved=True)
         assert not args[0].is_contiguous() and not args[1].is_contiguous()
+    elif layout == "transposed_concatenated":  # N-contiguous views, gate rows then up rows (aria's order)
+        args = (w1.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2))
+        extra = dict(w1_bias=b1, w2_bias=b2)
+        assert args[0].stride(1) == 1 and args[1].stride(1) == 1
     elif layout == "prepared":
         args, extra = (prepare_weights(w1, w2, pad_to=8, w1_bias=b1, w2_bias=b2), None), {}
     else:
