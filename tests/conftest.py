@@ -5,34 +5,41 @@ module imports fmoe2. Compile tests run ``python -m fmoe2.codegen`` in a child p
 the variable removed.
 
 On a machine with several GPUs, each pytest-xdist worker (``-n N``) is pinned to one of them, round robin
-(worker ``gwK`` to GPU ``K mod GPUs``), by setting ``CUDA_VISIBLE_DEVICES`` before torch starts CUDA:
-``python -m pytest tests -n 32`` on four GPUs runs eight workers on each. The GPUs are those listed in
-``CUDA_VISIBLE_DEVICES`` where it is set, else every NVIDIA GPU the driver lists; ``FMOE2_TEST_GPUS`` (a count or
-a comma-separated list of ids) overrides both (ROCm: set it; there ``HIP_VISIBLE_DEVICES`` is pinned).
+(worker ``gwK`` to GPU ``K mod GPUs``), by setting ``CUDA_VISIBLE_DEVICES`` (ROCm: ``HIP_VISIBLE_DEVICES``) before
+torch starts CUDA: ``python -m pytest tests -n 32`` on four GPUs runs eight workers on each. The GPUs are those
+listed in that variable where it is set (empty: none, nothing is pinned), else every GPU the NVIDIA driver lists;
+``FMOE2_TEST_GPUS`` takes a count (the first ones of those) or a comma-separated list of ids instead.
 """
 import os
 
 
 def _test_gpus():
-    """The GPU ids the workers are spread over (fewer than two: the environment is left as it is)."""
+    """The GPU ids the workers are spread over, as the pinned variable takes them (fewer than two: the
+    environment is left as it is)."""
+    visible_name = "HIP_VISIBLE_DEVICES" if _rocm() else "CUDA_VISIBLE_DEVICES"
+    if visible_name in os.environ:  # (also when empty: no GPU, as the user asked)
+        visible = [g.strip() for g in os.environ[visible_name].split(",") if g.strip()]
+    else:
+        try:  # the NVIDIA driver lists one folder per GPU (no CUDA call: CUDA must not start before the pinning)
+            visible = [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+        except OSError:
+            visible = []
     given = os.environ.get("FMOE2_TEST_GPUS", "").strip()
-    if given.isdigit():
-        return [str(i) for i in range(int(given))]
-    given = given or os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if given:
-        return [g.strip() for g in given.split(",") if g.strip()]
-    try:  # the NVIDIA driver lists one folder per GPU (no CUDA call: CUDA must not start before the pinning)
-        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
+    if given.isdigit():  # a count: the first ones of those visible
+        return visible[:int(given)] if visible else [str(i) for i in range(int(given))]
+    return [g.strip() for g in given.split(",") if g.strip()] if given else visible
+
+
+def _rocm():
+    return os.path.exists("/dev/kfd") and not os.path.exists("/proc/driver/nvidia")
 
 
 def _pin_xdist_worker_to_one_gpu():
+    """Worker ``gwK`` of pytest-xdist sees GPU ``K mod GPUs`` alone (module docstring)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     gpus = _test_gpus()
     if worker.startswith("gw") and len(gpus) >= 2:
-        rocm = os.path.exists("/dev/kfd") and not os.path.exists("/proc/driver/nvidia")
-        os.environ["HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES"] = gpus[int(worker[2:]) % len(gpus)]
+        os.environ["HIP_VISIBLE_DEVICES" if _rocm() else "CUDA_VISIBLE_DEVICES"] = gpus[int(worker[2:]) % len(gpus)]
 
 
 _pin_xdist_worker_to_one_gpu()

@@ -15,8 +15,9 @@ Beside the speed, per model: the share of each backend's greedy tokens equal to 
 correctness), and each backend's logits' relative error for a forward of 1 token and of ``--prompt`` tokens (one
 sequence) to the eager backend's and to a float32 copy of the model on the eager backend (``--logits-only``: these
 alone).
-Writes ``<out-dir>/model/decode_interleaved_<device>[_batch<N>][_compiled|_logits].json`` and ``.md``
-(``_batch<N>`` for a single batch size other than 1); ``--plot PNG JSON...`` draws result files.
+Writes ``<out-dir>/model/decode_interleaved_<device>[_batch<N>|_batches][_compiled|_logits].json`` and ``.md``
+(``_batch<N>`` for a single batch size other than 1, ``_batches`` for several); ``--plot PNG JSON...`` draws result
+files.
 """
 from __future__ import annotations
 
@@ -41,13 +42,16 @@ def markdown(result: dict) -> str:
     backends = result["backends"]
     compiled = " (static cache, compiled)" if result.get("compiled") else ""
     lines = [f"# Decode{compiled}, backends taking turns: {result['device']}", "",
-             provenance_line(result) + f", transformers {result.get('transformers', '?')}", "",
-             f"{result['layers']} layers of each model's sizes, random bf16 weights, prompt {result['prompt']}, "
-             f"{result['new_tokens']} greedy tokens, {result['rounds']} rounds; decode tokens/s, median over rounds "
-             "(each round's rates in the JSON). `same tokens`: the share of greedy tokens equal to the eager "
-             "backend's (fmoe2 / grouped_mm; random weights make near ties that rounding flips).", "",
-             "| model | batch | " + " | ".join(backends) + " | fmoe2 / best other | same tokens |",
-             "|---|---" + "|---" * (len(backends) + 2) + "|"]
+             provenance_line(result) + f", transformers {result.get('transformers', '?')}", ""]
+    if result["rows"]:
+        lines += [f"{result['layers']} layers of each model's sizes, random bf16 weights, prompt {result['prompt']}, "
+                  f"{result['new_tokens']} greedy tokens, {result['rounds']} rounds; decode tokens/s, median over "
+                  "rounds (each round's rates in the JSON). `same tokens`: the share of greedy tokens equal to the "
+                  "eager backend's (fmoe2 / grouped_mm; random weights make near ties that rounding flips).", "",
+                  "| model | batch | " + " | ".join(backends) + " | fmoe2 / best other | same tokens |",
+                  "|---|---" + "|---" * (len(backends) + 2) + "|"]
+    else:
+        lines += [f"{result['layers']} layers of each model's sizes, random bf16 weights."]
     for row in result["rows"]:
         medians = row["median_tokens_per_s"]
         others = [v for b, v in medians.items() if b != "fmoe2"]
@@ -92,8 +96,10 @@ def plot(results: list, path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models), 3.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         for color, backend in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], backends):
-            for run, (result, style) in enumerate(zip(results, ("-", "--", ":"))):
-                points = sorted((row["batch"], row["median_tokens_per_s"][backend]) for row in result["rows"]
+            for run, result in enumerate(results):
+                style = ("-", "--", ":", "-.")[run % 4]
+                points = sorted((row.get("batch", result.get("batch", 1)), row["median_tokens_per_s"][backend])
+                                for row in result["rows"]
                                 if row["model"] == model and backend in row["median_tokens_per_s"])
                 if points:
                     ax.plot(*zip(*points), style, marker="o", color=color,
@@ -114,17 +120,22 @@ def logits_errors(model, backends, lengths, gen) -> dict:
     """``{reference: {tokens: {backend: relative error}}}``: each backend's logits of one random sequence of each
     length against two references: the :data:`REFERENCE_BACKEND`'s in the model's dtype (``"eager"``: how far a
     backend is from transformers' own rounding) and a float32 copy of the model on the eager backend
-    (``"eager_fp32"``: how far it is from the exact forward; the eager bf16 backend is measured against it too).
-    A backend that raises is left out."""
+    (``"eager_fp32"``: how far it is from the exact forward; the eager bf16 backend is measured against it too;
+    left out where the copy does not fit in GPU memory). A backend that raises is left out."""
     import copy
 
-    exact = copy.deepcopy(model).float()
-    exact.set_experts_implementation(REFERENCE_BACKEND)
     errors = {"eager": {}, "eager_fp32": {}}
+    try:
+        exact = copy.deepcopy(model).float()
+        exact.set_experts_implementation(REFERENCE_BACKEND)
+    except torch.cuda.OutOfMemoryError:  # (a float32 copy of many layers may not fit beside the model)
+        exact = None
+        del errors["eager_fp32"]
+        torch.cuda.empty_cache()
     for length in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda", generator=gen)
         with torch.no_grad():
-            references = {"eager_fp32": exact(ids).logits.float()}
+            references = {"eager_fp32": exact(ids).logits.float()} if exact is not None else {}
             model.set_experts_implementation(REFERENCE_BACKEND)
             references["eager"] = model(ids).logits.float()
             for name in errors:
@@ -187,7 +198,8 @@ def main(argv=None) -> int:
               "layers": a.layers, "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds,
               "backends": backends, "compiled": a.compile, "batches": batches, "rows": [], "logits_rel_err": {}}
     generate_options = dict(do_sample=False, cache_implementation="static") if a.compile else dict(do_sample=False)
-    suffix = (f"_batch{batches[0]}" if batches != [1] and len(batches) == 1 else "") + ("_compiled" if a.compile else "")
+    suffix = (f"_batch{batches[0]}" if batches != [1] and len(batches) == 1 else "_batches" if len(batches) > 1
+              else "") + ("_compiled" if a.compile else "")
     suffix = "_logits" if a.logits_only else suffix
     out = os.path.join(a.out_dir, "model", f"decode_interleaved_{device_config_name()}{suffix}.json")
     for name in a.models.split(","):
@@ -211,9 +223,14 @@ def main(argv=None) -> int:
             rates = {b: [batch * a.new_tokens / (total - prefill) for prefill, total in zip(t["prefill_s"],
                                                                                             t["total_s"])]
                      for b, t in times.items() if "error" not in t}
-            reference = generate(a.new_tokens + 1, REFERENCE_BACKEND)[:, a.prompt:]
-            same = {b: (generate(a.new_tokens + 1, b)[:, a.prompt:] == reference).float().mean().item()
-                    for b in rates if b != REFERENCE_BACKEND}
+            same = {}
+            try:  # (the eager backend's tokens, also where it is not among the timed backends)
+                reference = generate(a.new_tokens + 1, REFERENCE_BACKEND)[:, a.prompt:]
+                same = {b: (generate(a.new_tokens + 1, b)[:, a.prompt:] == reference).float().mean().item()
+                        for b in rates if b != REFERENCE_BACKEND}
+            except Exception as error:  # noqa: BLE001 - recorded, not fatal (e.g. out of memory)
+                errors["same_tokens"] = f"{type(error).__name__}: {str(error)[:300]}"
+                torch.cuda.empty_cache()
             print(name, batch, {b: [round(v, 1) for v in r] for b, r in rates.items()}, "same tokens", same,
                   flush=True)
             result["rows"].append({"model": name, "batch": batch, "tokens_per_s": rates, "errors": errors,

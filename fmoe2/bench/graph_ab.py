@@ -18,8 +18,9 @@ weights each copy prepares itself (``prepare_weights``, ``prepare_lora``) from t
 * ``fp8``: block-scaled fp8 weights, blocks of 128 x 128 (``quantize_fp8_weights``), prepared with their scales;
 * ``deterministic``: bf16 weights, ``deterministic=True``;
 * ``unprepared``: bf16 weights passed as they are, ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` (K-contiguous);
-* ``transposed``: the same values as transposed views of N-contiguous ``[E, H, 2I]`` / ``[E, I, H]`` tensors, as
-  transformers' gpt-oss experts hold them (issue 55: these once ran 37x slower than K-contiguous weights).
+* ``transposed``: the same values as transposed views of N-contiguous ``[E, H, 2I]`` / ``[E, I, H]`` tensors, the
+  layout of transformers' gpt-oss and aria experts (issue 55: these once ran 37x slower than K-contiguous weights).
+  (``unprepared`` and ``transposed`` are ``fmoe2.bench.layout``'s ``k_contiguous`` and ``n_contiguous``.)
 
 Before timing, both outputs of every point are checked against the float32 reference (``fused_moe_reference``;
 fp8: the reference with the same quantization) within the correctness grid's bounds (``correctness.BOUND``).
@@ -44,6 +45,7 @@ from fmoe2.shapes import ALL_SHAPES, SHAPES
 
 from .__main__ import make_inputs, random_weights
 from .correctness import BOUND, FP8_BLOCK, relative_error
+from .layout import n_contiguous
 from .lora import make_adapters, make_token_lora_ids
 from .provenance import provenance_line, rewrite_report, run_record, write_result
 from .timing import time_interleaved
@@ -115,7 +117,7 @@ def mode_weights(mode: str, E: int, H: int, I: int, gen: torch.Generator) -> dic
     elif mode == "deterministic":
         options = dict(deterministic=True)
     elif mode == "transposed":
-        w1, w2 = w1.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)
+        w1, w2 = n_contiguous(w1), n_contiguous(w2)
     elif mode not in ("plain", "unprepared"):
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return dict(w1=w1, w2=w2, scales=scales, lora=lora, options=options, prepare=mode not in UNPREPARED_MODES,

@@ -35,21 +35,35 @@ LAYOUTS = ("k_contiguous", "n_contiguous", "prepared")
 MAX_REL_ERR = 2e-2
 
 
-def layout_weights(w1: torch.Tensor, w2: torch.Tensor, layout: str, interleaved: bool, biases: dict):
+def n_contiguous(w: torch.Tensor) -> torch.Tensor:
+    """``w [E, R, C]`` as a view of a ``[E, C, R]`` tensor holding the same values (stride 1 along R): how
+    transformers' transposed experts (``is_transposed``) hold theirs."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def layout_weights(w1: torch.Tensor, w2: torch.Tensor, layout: str, interleaved: bool, biases: dict,
+                   n_contiguous_pair=None):
     """``(w1, w2, keywords)`` of ``fused_moe`` for the K-contiguous weights ``w1 [E, 2I, H]`` (gate/up in the
-    order ``interleaved`` says), ``w2 [E, H, I]`` handed over in ``layout`` (:data:`LAYOUTS`)."""
+    order ``interleaved`` says), ``w2 [E, H, I]`` handed over in ``layout`` (:data:`LAYOUTS`);
+    ``n_contiguous_pair``: the N-contiguous views of the pair, made once by the caller (None: made here)."""
     if layout == "prepared":
         return fmoe2.prepare_weights(w1, w2, gate_up_interleaved=interleaved, **biases), None, {}
     keywords = dict(gate_up_interleaved=interleaved, **biases)
     if layout == "n_contiguous":  # the transposed tensors as they are stored, passed as views
-        return w1.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2), \
-            keywords
+        return (*(n_contiguous_pair or (n_contiguous(w1), n_contiguous(w2))), keywords)
     if layout == "k_contiguous":
         return w1.contiguous(), w2.contiguous(), keywords
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def bench_shape(name: str, ms, orders, bias_choices, rounds: int, gen) -> list:
+def ratios_to_k_contiguous(times: dict) -> dict:
+    """``{"layout/order/bias": us}`` -> each time over the ``k_contiguous`` one of the same order and biases."""
+    return {key: us / times["k_contiguous/" + key.split("/", 1)[1]] for key, us in times.items()}
+
+
+def bench_shape(name: str, ms, orders, bias_choices, rounds: int, gen, record=lambda row: None) -> list:
+    """Rows (one per M) of shape ``name``: every layout x gate/up order x biases choice, checked against the
+    float32 reference, then timed in CUDA graphs taking turns; ``record(row)`` is called after each row."""
     E, H, I, topk = ALL_SHAPES[name]
     options = dict(SHAPE_OPTIONS.get(name, {}))
     options.pop("biases", None)
@@ -57,6 +71,7 @@ def bench_shape(name: str, ms, orders, bias_choices, rounds: int, gen) -> list:
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I ** 0.5).to(torch.bfloat16)
     b1 = (torch.randn(E, 2 * I, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
     b2 = (torch.randn(E, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    views = (n_contiguous(w1), n_contiguous(w2))  # one copy for every order and bias choice
     variants = {}  # "layout/order/bias" -> (w1, w2, keywords, interleaved, biases)
     for order in orders:
         interleaved = order == "interleaved"
@@ -64,7 +79,7 @@ def bench_shape(name: str, ms, orders, bias_choices, rounds: int, gen) -> list:
             biases = dict(w1_bias=b1, w2_bias=b2) if with_bias else {}
             for layout in LAYOUTS:
                 variants[f"{layout}/{order}/{'bias' if with_bias else 'no_bias'}"] = (
-                    *layout_weights(w1, w2, layout, interleaved, biases), interleaved, biases)
+                    *layout_weights(w1, w2, layout, interleaved, biases, views), interleaved, biases)
     rows = []
     for M in ms:
         x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
@@ -87,14 +102,11 @@ def bench_shape(name: str, ms, orders, bias_choices, rounds: int, gen) -> list:
             calls[key] = call
         del refs
         times = time_graphs_in_turns(calls, rounds=rounds, calls=10, replays=20)
-        row = dict(shape=name, M=M, us=times, rel_err=errors, ratio={})
-        for key, us in times.items():
-            layout, rest = key.split("/", 1)
-            row["ratio"][key] = us / times[f"k_contiguous/{rest}"]
+        row = dict(shape=name, M=M, us=times, rel_err=errors, ratio=ratios_to_k_contiguous(times))
         rows.append(row)
-        worst = max(row["ratio"].values())
+        record(row)
         print(f"{name} M={M}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()) +
-              f"; worst ratio to k_contiguous {worst:.2f}", flush=True)
+              f"; worst ratio to k_contiguous {max(row['ratio'].values()):.2f}", flush=True)
         del calls
     return rows
 
@@ -147,9 +159,14 @@ def main(argv=None) -> int:
     bias_choices = {"with": (True,), "without": (False,), "both": (True, False)}[a.biases]
     result = dict(run_record("python -m fmoe2.bench.layout", argv), rows=[])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name in shapes:
-        result["rows"] += bench_shape(name, ms, orders, bias_choices, a.rounds, gen)
     path = os.path.join(a.out_dir, "layout", device_config_name() + ".json")
+
+    def record(row):  # after every row: a run cut short keeps what it measured
+        result["rows"].append(row)
+        write_result(path, result, markdown)
+
+    for name in shapes:
+        bench_shape(name, ms, orders, bias_choices, a.rounds, gen, record)
     print(write_result(path, result, markdown))
     return 0
 

@@ -58,8 +58,8 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_expert, offs_n, b_desc
     (``operands._packed_weight_load``)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    b_rows = b_expert + offs_n[:, None] * stride_b_n
-    b_cols = b_expert + offs_n[None, :] * stride_b_n
+    b_rows = b_expert + offs_n[:, None] * stride_b_n  # [BLOCK_N, 1] (4-bit loads)
+    b_cols = b_expert + offs_n[None, :] * stride_b_n  # [1, BLOCK_N] (16-bit [K, N] tiles)
     if bs_rows is not None:  # 4-bit B: the first step's tile, each step then loading the next one's
         next_packed, next_scales = _packed_weight_load(b_rows, k_first, stride_b_n, n_valid, bs_rows, BLOCK_K,
                                                        WEIGHT_GROUP)

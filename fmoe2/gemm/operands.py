@@ -9,7 +9,8 @@ testing dtype) and no effect on bf16/fp16 inputs; it is the one precision every 
 Weight tiles come through pointers as ``[K, N]``, the dot's own operand shape, whichever of the weight's
 dimensions is contiguous. For K-contiguous weights (``[E, 2I, H]``) the gate/up loop compiles to the same PTX as an
 ``[N, K]`` load and a ``tl.trans`` did (sm_80, sm_90; the down loops' code changed, their speed did not: graph A/B
-0.97-1.01x on the H200); for N-contiguous ones (transformers' transposed ``[E, H, 2I]`` views) the ``[N, K]`` load and
+against the old code 0.97-1.01x on the H200, and 0.98-1.06x in a noisier run whose 1.06x was at kernels whose code
+did not change); for N-contiguous ones (transformers' transposed ``[E, H, 2I]`` views) the ``[N, K]`` load and
 transpose compiled to register loads without ``cp.async`` and spilled (3662 spill instructions in stage 1 of
 gpt-oss-20b's H200 pick at M=64, which ran 37x slower than with K-contiguous weights: issue 55). Tensor-descriptor
 tiles come as their block, ``[N, K]``, and are transposed for the dot.
@@ -141,8 +142,8 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
     offs_k = tl.arange(0, BLOCK_K)
     shrink = tl.zeros([BLOCK_M, STACK], dtype=tl.float32)
     if GATE_UP_INTERLEAVED:
-        w_rows = w1_expert + offs_r[:, None] * stride_w1_n
-        w_cols = w1_expert + offs_r[None, :] * stride_w1_n
+        w_rows = w1_expert + offs_r[:, None] * stride_w1_n  # [2*BLOCK_N, 1] (4-bit loads)
+        w_cols = w1_expert + offs_r[None, :] * stride_w1_n  # [1, 2*BLOCK_N] (16-bit [K, N] tiles)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         if s1_expert is not None:  # 4-bit weights: the first step's tile, each step then loading the next one's
             s_rows = s1_expert + offs_r * stride_s1_n
@@ -169,7 +170,7 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         tl.static_assert(s1_expert is None, "4-bit weights are prepared, with interleaved gate/up rows")
-        gate_cols = w1_expert + offs_n[None, :] * stride_w1_n
+        gate_cols = w1_expert + offs_n[None, :] * stride_w1_n  # [1, BLOCK_N]
         up_cols = gate_cols + I * stride_w1_n
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

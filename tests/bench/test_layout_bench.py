@@ -5,7 +5,7 @@ import torch
 
 from fmoe2 import PreparedMoEWeights
 from fmoe2.bench.decode_interleaved import markdown as decode_markdown
-from fmoe2.bench.layout import LAYOUTS, layout_weights
+from fmoe2.bench.layout import LAYOUTS, layout_weights, ratios_to_k_contiguous
 from fmoe2.bench.layout import markdown as layout_markdown
 
 
@@ -28,9 +28,14 @@ def test_each_layout_holds_the_same_weights_in_its_own_strides(interleaved):
 
 def test_layout_report_has_a_row_per_gate_up_order_with_ratios_to_k_contiguous():
     us = {f"{layout}/interleaved/bias": t for layout, t in zip(LAYOUTS, (100.0, 95.0, 101.0))}
-    row = dict(shape="gpt-oss-20b", M=64, us=us, rel_err={}, ratio={k: v / 100.0 for k, v in us.items()})
+    us.update({f"{layout}/concatenated/no_bias": t for layout, t in zip(LAYOUTS, (50.0, 60.0, 40.0))})
+    ratio = ratios_to_k_contiguous(us)
+    assert ratio["n_contiguous/interleaved/bias"] == 0.95 and ratio["n_contiguous/concatenated/no_bias"] == 1.2
+    assert ratio["k_contiguous/concatenated/no_bias"] == 1.0
+    row = dict(shape="gpt-oss-20b", M=64, us=us, rel_err={}, ratio=ratio)
     text = layout_markdown(dict(device="GPU", date="d", torch="t", triton="tr", command="c", rows=[row]))
     assert "| gpt-oss-20b | 64 | interleaved | bias | 100.0 | 95.0 | 101.0 | 0.95x | 1.01x |" in text
+    assert "| gpt-oss-20b | 64 | concatenated | no bias | 50.0 | 60.0 | 40.0 | 1.20x | 0.80x |" in text
 
 
 def test_decode_report_has_rates_agreement_and_logits_errors():
