@@ -32,6 +32,7 @@ import torch
 
 from fmoe2.gemm.config import device_config_name
 
+from .correctness import relative_error
 from .model import MODELS, build_model, generate_times_in_turns
 from .provenance import provenance_line, run_record, write_result
 
@@ -148,7 +149,7 @@ def logits_errors(model, backends, lengths, gen) -> dict:
                     continue
                 for name, reference in references.items():
                     if not (name == "eager" and backend == REFERENCE_BACKEND):
-                        errors[name][length][backend] = ((logits - reference).norm() / reference.norm()).item()
+                        errors[name][length][backend] = relative_error(logits, reference)
     del exact
     torch.cuda.empty_cache()
     return errors

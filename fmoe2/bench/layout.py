@@ -27,6 +27,8 @@ import fmoe2
 from fmoe2.gemm.config import device_config_name
 from fmoe2.shapes import ALL_SHAPES, SHAPE_OPTIONS
 
+from .__main__ import random_biases, random_weights
+from .correctness import relative_error
 from .provenance import provenance_line, run_record, write_result
 from .timing import time_graphs_in_turns
 
@@ -67,16 +69,14 @@ def bench_shape(name: str, ms, orders, bias_choices, rounds: int, gen, record=la
     E, H, I, topk = ALL_SHAPES[name]
     options = dict(SHAPE_OPTIONS.get(name, {}))
     options.pop("biases", None)
-    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I ** 0.5).to(torch.bfloat16)
-    b1 = (torch.randn(E, 2 * I, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-    b2 = (torch.randn(E, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    w1, w2 = random_weights(E, H, I, gen)
+    all_biases = random_biases(E, H, I, gen)
     views = (n_contiguous(w1), n_contiguous(w2))  # one copy for every order and bias choice
     variants = {}  # "layout/order/bias" -> (w1, w2, keywords, interleaved, biases)
     for order in orders:
         interleaved = order == "interleaved"
         for with_bias in bias_choices:
-            biases = dict(w1_bias=b1, w2_bias=b2) if with_bias else {}
+            biases = all_biases if with_bias else {}
             for layout in LAYOUTS:
                 variants[f"{layout}/{order}/{'bias' if with_bias else 'no_bias'}"] = (
                     *layout_weights(w1, w2, layout, interleaved, biases, views), interleaved, biases)
@@ -94,8 +94,8 @@ def bench_shape(name: str, ms, orders, bias_choices, rounds: int, gen, record=la
             call = (lambda a=a, b=b, keywords=keywords:
                     fmoe2.fused_moe(x, a, b, tw, ti, out=out, **keywords, **options))
             out.fill_(float("nan"))  # poisoned: an unwritten element shows
-            got = call().float()
-            errors[key] = ((got - refs[combo]).norm() / refs[combo].norm()).item()
+            got = call()
+            errors[key] = relative_error(got, refs[combo])
             if not errors[key] <= MAX_REL_ERR:
                 raise SystemExit(f"{name} M={M} {key}: relative error {errors[key]:.2e} to the float32 "
                                  f"reference (above {MAX_REL_ERR})")
