@@ -136,3 +136,19 @@ def test_compiled_module_takes_the_deterministic_switch_when_traced(deterministi
         eager = x + fused_moe(x, *block.weights, weights, ids, config=SMALL, deterministic=True)
     assert torch.equal(compiled, eager)
     assert_matches_reference(compiled - x, x, block.w1, block.w2, weights, ids)
+
+
+def test_a_dict_mutated_before_the_call_breaks_no_graph():
+    """A traced step that mutates a dict before calling fused_moe (transformers' Qwen2-MoE and OLMoE decode steps do)
+    still compiles as one graph: packing the op's arguments reads no dataclass field's metadata (a mappingproxy, which
+    Dynamo will not read after a dict mutation)."""
+    x, w1, w2, tw, ti = make_problem(5, 4, 40, 24, 2, torch.float16)
+    state = {"calls": 0}
+
+    def step(x, tw, ti):
+        state["calls"] = state["calls"] + 1
+        return fused_moe(x, w1, w2, tw, ti, config=SMALL)
+
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(x, tw, ti)
+    assert state["calls"] == 1
+    assert_matches_reference(out, x, w1, w2, tw, ti)

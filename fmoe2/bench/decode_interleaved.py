@@ -15,6 +15,11 @@ Beside the speed, per model: the share of each backend's greedy tokens equal to 
 correctness), and each backend's logits' relative error for a forward of 1 token and of ``--prompt`` tokens (one
 sequence) to the eager backend's and to a float32 copy of the model on the eager backend (``--logits-only``: these
 alone).
+
+``--ceiling`` adds a backend ``no_experts`` whose experts call returns zeros at once (no routing, no weights read): the
+rest of the model's step alone, the most any experts backend could reach. Where its rate over the best other
+backend's is below a target, no experts backend can meet that target in this mode (eager decode is bound by
+transformers' host work per layer, not by the experts).
 Writes ``<out-dir>/model/decode_interleaved_<device>[_batch<N>|_batches][_compiled|_logits].json`` and ``.md``
 (``_batch<N>`` for a single batch size other than 1, ``_batches`` for several); ``--plot PNG JSON...`` draws result
 files.
@@ -37,10 +42,30 @@ from .model import MODELS, build_model, generate_times_in_turns
 from .provenance import provenance_line, run_record, write_result
 
 REFERENCE_BACKEND = "eager"  # transformers' loop over the experts, in the model's dtype
+CEILING_BACKEND = "no_experts"  # the experts call as a zeros allocation: the step's rate without experts work
+
+
+def no_experts(module, hidden_states, top_k_index, top_k_weights):
+    """An experts backend that computes nothing (zeros of the output's shape): the ceiling of any backend."""
+    return torch.zeros_like(hidden_states)
+
+
+def register_ceiling() -> str:
+    """Registers :func:`no_experts` as transformers' experts backend :data:`CEILING_BACKEND`; returns its name."""
+    from transformers.integrations import moe
+
+    moe.ExpertsInterface.register(CEILING_BACKEND, no_experts)
+    return CEILING_BACKEND
+
+
+def _compared(medians: dict) -> list:
+    """The rates fmoe2 is compared with: every backend's but fmoe2's and the ceiling's."""
+    return [v for b, v in medians.items() if b not in ("fmoe2", CEILING_BACKEND)]
 
 
 def markdown(result: dict) -> str:
     backends = result["backends"]
+    ceiling = CEILING_BACKEND in backends
     compiled = " (static cache, compiled)" if result.get("compiled") else ""
     lines = [f"# Decode{compiled}, backends taking turns: {result['device']}", "",
              provenance_line(result) + f", transformers {result.get('transformers', '?')}", ""]
@@ -48,15 +73,22 @@ def markdown(result: dict) -> str:
         lines += [f"{result['layers']} layers of each model's sizes, random bf16 weights, prompt {result['prompt']}, "
                   f"{result['new_tokens']} greedy tokens, {result['rounds']} rounds; decode tokens/s, median over "
                   "rounds (each round's rates in the JSON). `same tokens`: the share of greedy tokens equal to the "
-                  "eager backend's (fmoe2 / grouped_mm; random weights make near ties that rounding flips).", "",
-                  "| model | batch | " + " | ".join(backends) + " | fmoe2 / best other | same tokens |",
-                  "|---|---" + "|---" * (len(backends) + 2) + "|"]
+                  "eager backend's (fmoe2 / grouped_mm; random weights make near ties that rounding flips)." +
+                  (f" `{CEILING_BACKEND}`: an experts call that returns zeros at once, the rest of the step alone; "
+                   "`ceiling / best other`: the most any experts backend could gain over the best other one."
+                   if ceiling else ""), "",
+                  "| model | batch | " + " | ".join(backends) + " | fmoe2 / best other |" +
+                  (" ceiling / best other |" if ceiling else "") + " same tokens |",
+                  "|---|---" + "|---" * (len(backends) + 2 + ceiling) + "|"]
     else:
         lines += [f"{result['layers']} layers of each model's sizes, random bf16 weights."]
     for row in result["rows"]:
         medians = row["median_tokens_per_s"]
-        others = [v for b, v in medians.items() if b != "fmoe2"]
+        others = _compared(medians)
         ratio = f"{medians['fmoe2'] / max(others):.2f}x" if "fmoe2" in medians and others else ""
+        if ceiling:
+            ratio += " | " + (f"{medians[CEILING_BACKEND] / max(others):.2f}x"
+                              if CEILING_BACKEND in medians and others else "")
         cells = [f"{medians[b]:.1f}" if b in medians else "did not run" for b in backends]
         same = row.get("same_tokens_as_eager", {})
         agreement = " / ".join(f"{same[b]:.0%}" if b in same else "-" for b in ("fmoe2", "grouped_mm"))
@@ -68,7 +100,7 @@ def markdown(result: dict) -> str:
                     if reference in errors}
         if not by_model:
             continue
-        compared = [b for b in backends if reference != "eager" or b != REFERENCE_BACKEND]
+        compared = [b for b in backends if (reference != "eager" or b != REFERENCE_BACKEND) and b != CEILING_BACKEND]
         lines += ["", f"Logits' relative error to {title}, one sequence of 1 and of {result['prompt']} tokens:", "",
                   "| model | tokens | " + " | ".join(compared) + " | fmoe2 / grouped_mm |",
                   "|---|---" + "|---" * (len(compared) + 1) + "|"]
@@ -165,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens after the first")
     p.add_argument("--batches", default="1", help="comma-separated sequences per generate")
     p.add_argument("--rounds", type=int, default=5, help="rounds (one generate of each backend per round)")
+    p.add_argument("--ceiling", action="store_true",
+                   help=f"add the backend {CEILING_BACKEND!r} (an experts call that computes nothing): the ceiling")
     p.add_argument("--compile", action="store_true", help="static cache: transformers compiles the decode steps")
     p.add_argument("--logits-only", action="store_true", help="only the logits' errors (no decode timing)")
     p.add_argument("--out-dir", default=os.path.join("misc", "bench"), help="results go to <out-dir>/model/")
@@ -195,6 +229,8 @@ def main(argv=None) -> int:
 
     fmoe2_transformers.register()
     backends = a.backends.split(",")
+    if a.ceiling and CEILING_BACKEND not in backends:
+        backends.append(register_ceiling())
     result = {**run_record("python -m fmoe2.bench.decode_interleaved", argv), "transformers": transformers.__version__,
               "layers": a.layers, "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds,
               "backends": backends, "compiled": a.compile, "batches": batches, "rows": [], "logits_rel_err": {}}
@@ -206,7 +242,8 @@ def main(argv=None) -> int:
     for name in a.models.split(","):
         model = build_model(name, a.layers)
         gen = torch.Generator(device="cuda").manual_seed(1)
-        result["logits_rel_err"][name] = logits_errors(model, backends, (1, a.prompt), gen)
+        result["logits_rel_err"][name] = logits_errors(model, [b for b in backends if b != CEILING_BACKEND],
+                                                       (1, a.prompt), gen)
         print(name, "logits relative error to eager:", result["logits_rel_err"][name], flush=True)
         for batch in [] if a.logits_only else batches:
             ids = torch.randint(0, model.config.vocab_size, (batch, a.prompt), device="cuda", generator=gen)
@@ -228,7 +265,7 @@ def main(argv=None) -> int:
             try:  # (the eager backend's tokens, also where it is not among the timed backends)
                 reference = generate(a.new_tokens + 1, REFERENCE_BACKEND)[:, a.prompt:]
                 same = {b: (generate(a.new_tokens + 1, b)[:, a.prompt:] == reference).float().mean().item()
-                        for b in rates if b != REFERENCE_BACKEND}
+                        for b in rates if b not in (REFERENCE_BACKEND, CEILING_BACKEND)}
             except Exception as error:  # noqa: BLE001 - recorded, not fatal (e.g. out of memory)
                 errors["same_tokens"] = f"{type(error).__name__}: {str(error)[:300]}"
                 torch.cuda.empty_cache()

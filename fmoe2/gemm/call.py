@@ -185,8 +185,12 @@ def _slot_name(declaration: str) -> str:
     return declaration.split()[1].split("=")[0]
 
 
+# Each argument's op slots, in a plain dict: a dataclass field's metadata is a mappingproxy, and Dynamo breaks the
+# graph where a traced call reads one after any dict was mutated in the same trace (transformers' Qwen2-MoE and OLMoE
+# decode steps did: one break per compiled step, H200, 2026-11-28).
+OP_SLOTS_OF = {name: tuple(LEAVES[name].metadata["op"]) for name in OP_ORDER}
 # The op's slots in order, their schema, and the defaults of the trailing ones
-OP_DECLARATIONS = tuple(d for name in OP_ORDER for d in LEAVES[name].metadata["op"])
+OP_DECLARATIONS = tuple(d for name in OP_ORDER for d in OP_SLOTS_OF[name])
 OP_SLOTS = tuple(_slot_name(d) for d in OP_DECLARATIONS)
 OP_DEFAULTS = {_slot_name(d): {"None": None, "False": False}[d.split("=")[1]] for d in OP_DECLARATIONS if "=" in d}
 
@@ -251,7 +255,7 @@ def op_values(values: Dict[str, Any]) -> list:
                   deterministic=bool(values["deterministic"]))
     flat = []
     for name in OP_ORDER:
-        slots = LEAVES[name].metadata["op"]
+        slots = OP_SLOTS_OF[name]
         if len(slots) == 1:
             flat.append(values[name])
         elif slots:

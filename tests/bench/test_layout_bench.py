@@ -53,3 +53,20 @@ def test_decode_report_has_rates_agreement_and_logits_errors():
     assert "| gpt-oss-20b | 1 | 1.00e-02 | 1.20e-02 | 1.20x |" in text
     assert "| gpt-oss-20b | 64 | 2.00e-02 | 1.00e-02 | 5.00e-03 | 0.50x |" in text
     assert "gpt-oss-20b batch 64 batched_mm: OutOfMemoryError" in text
+
+
+def test_decode_report_compares_fmoe2_and_the_ceiling_with_the_best_other_backend_alone():
+    from fmoe2.bench.decode_interleaved import CEILING_BACKEND, no_experts
+
+    result = dict(device="GPU", date="d", torch="t", triton="tr", command="c", transformers="5", layers=4, prompt=64,
+                  new_tokens=32, rounds=3, backends=["grouped_mm", "fmoe2", CEILING_BACKEND], batches=[8],
+                  rows=[dict(model="qwen3-30b-a3b", batch=8,
+                             median_tokens_per_s={"grouped_mm": 100.0, "fmoe2": 110.0, CEILING_BACKEND: 115.0},
+                             same_tokens_as_eager={"grouped_mm": 0.5, "fmoe2": 0.75}, errors={})],
+                  logits_rel_err={"qwen3-30b-a3b": {"eager": {1: {"grouped_mm": 0.01, "fmoe2": 0.012}}}})
+    text = decode_markdown(result)
+    # fmoe2 over grouped_mm (not over the faster ceiling), then the ceiling over grouped_mm
+    assert "| qwen3-30b-a3b | 8 | 100.0 | 110.0 | 115.0 | 1.10x | 1.15x | 75% / 50% |" in text
+    assert "ceiling / best other" in text and CEILING_BACKEND not in text.split("Logits")[1]
+    hidden = torch.randn(5, 16)
+    assert torch.equal(no_experts(None, hidden, None, None), torch.zeros(5, 16))
