@@ -7,7 +7,8 @@ Writes ``fmoe2/gemm/configs/<device>/E=..,H=..,I=..,topk=..,dtype=...json`` (bat
 config), which :func:`fmoe2.get_config` then picks by nearest batch size. Runs unchanged on ROCm.
 It first says how many points and candidate configs it will time and roughly how long that takes, then after
 each point what it picked and how long is left. Each point's entry is written as soon as it is found, and a rerun
-skips the entries its files already hold: an interrupted run resumes where it stopped (``--overwrite`` retunes).
+skips the checked entries its files already hold: an interrupted run resumes where it stopped (``--overwrite``
+retunes).
 ``--compile-workers N`` first runs each shape's candidates once in up to N processes side by side (as many as the GPU
 memory holds, each with the shape's weights), so their kernels are in the Triton cache when the search times them.
 ``--deterministic`` tunes deterministic mode instead (``fused_moe(..., deterministic=True)``: two-stage
@@ -15,6 +16,16 @@ configs without K shares) into the file's ``"deterministic"`` entry, which it re
 were measured alike (``fmoe2.gemm.config.resolve_config``). ``--dtype fp8`` tunes fp8 weights (block scales, bf16
 activations) into the bf16 file's ``"fp8"`` entry (``resolve_config`` reads it): each candidate as an fp8 forward runs
 it (fitted to fp8), duplicates timed once.
+
+Every entry is checked before it is written: the picked config runs two eager forwards, each into an output poisoned
+with NaN, on the point's inputs, and both must be finite and within the correctness grid's bound of the float32
+reference (``fmoe2.bench.correctness.BOUND``: bf16 2.5e-2; fp8 2e-2 against the reference with the same
+quantization). A config that fails gives way to the next fastest one, reported. The file's ``"checked"`` key keeps
+each entry's error, bound and how many faster configs failed (``resolve_config`` reads only the entries); an entry
+without that record (tuned before entries were checked) counts as still to tune.
+``--gpus N`` (or ``all``) spreads the shapes over N visible GPUs: one process per GPU, each pinned to its GPU by
+``CUDA_VISIBLE_DEVICES`` (ROCm: ``HIP_VISIBLE_DEVICES``), each tuning whole shapes (so no two write one file), the
+largest estimated work first.
 """
 from __future__ import annotations
 
@@ -22,14 +33,17 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
+import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 import fmoe2
 from fmoe2.bench.__main__ import make_inputs
+from fmoe2.bench.correctness import BOUND, relative_error
 from fmoe2.bench.precompile import add_arguments as add_compile_arguments
 from fmoe2.bench.precompile import compile_in_processes, run_each_once, share_of
 from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
@@ -39,6 +53,8 @@ from fmoe2.target import target_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: the activations' dtype
 SECTIONS = ("deterministic", "fp8")  # entries of a tuned file besides the plain batch sizes
+CHECKED = "checked"  # a tuned file's record of each entry's check: section ("bf16" for the plain entries) -> M -> check
+CHECK_CALLS = 2  # eager forwards of a picked config compared with the reference (a race shows as one that differs)
 
 
 def fp8_candidates(M: int, E: int, H: int, I: int, topk: int, run) -> list:
@@ -72,13 +88,15 @@ SECONDS_PER_PRECOMPILED_CANDIDATE = 0.6
 
 def tune_points(shapes: List[str], ms: List[int], a) -> List[Tuple[str, int]]:
     """The (shape, M) points still to tune: every pair, less those whose entry the shape's tuned file already holds
-    (a rerun after an interruption resumes), unless ``--overwrite``."""
+    with the record of its check (a rerun after an interruption resumes; an entry tuned before entries were checked is
+    tuned again), unless ``--overwrite``."""
     todo = []
     for name in shapes:
         tuned = _load_tuned(_tuned_path(name, a))
         section = _section(a)
         done = tuned.get(section, {}) if section else tuned
-        todo += [(name, M) for M in ms if a.overwrite or str(M) not in done]
+        checked = tuned.get(CHECKED, {}).get(section or "bf16", {})
+        todo += [(name, M) for M in ms if a.overwrite or str(M) not in done or str(M) not in checked]
     return todo
 
 
@@ -102,10 +120,14 @@ def _load_tuned(path: str) -> dict:
     return {}
 
 
-def _store(path: str, section: Optional[str], M: int, entry: dict) -> None:
-    """Writes one tuned entry into the file at ``path`` at once (an interrupted run keeps what it finished)."""
+def _store(path: str, section: Optional[str], M: int, entry: dict, check: Optional[dict] = None) -> None:
+    """Writes one tuned entry (and its check's record) into the file at ``path`` at once (an interrupted run keeps what
+    it finished)."""
     tuned = _load_tuned(path)
     (tuned.setdefault(section, {}) if section else tuned)[str(M)] = entry
+    if check is not None:
+        records = tuned.setdefault(CHECKED, {})
+        records[section or "bf16"] = _by_batch({**records.get(section or "bf16", {}), str(M): check})
     for name in SECTIONS:
         if name in tuned:
             tuned[name] = _by_batch(tuned[name])
@@ -116,8 +138,35 @@ def _store(path: str, section: Optional[str], M: int, entry: dict) -> None:
     os.replace(path + ".tmp", path)  # never a half-written file
 
 
-def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Generator) -> Tuple[dict, float, int]:
-    """Searches one (shape, M) point; returns (the best config as stored, its us, candidates timed)."""
+def checked_pick(results: list, forward: Callable, reference: torch.Tensor, out_dtype: torch.dtype, bound: float,
+                 label: str):
+    """The fastest of ``results`` (``(config, us)`` pairs) whose ``forward(config, out)`` (``out``: ``[M, H]`` of
+    ``out_dtype``) passes the check against ``reference`` (module docstring), with its check record (``rel_err``: the
+    larger of the two calls' errors, ``bound``, ``faster_failed``). RuntimeError when none passes."""
+    rejected = []
+    for cfg, us in sorted(results, key=lambda r: r[1]):
+        errors = []
+        for _ in range(CHECK_CALLS):
+            out = torch.full_like(reference, float("nan"), dtype=out_dtype)
+            try:
+                forward(cfg, out)
+            except Exception as error:  # noqa: BLE001 - a config that cannot run again is rejected like a wrong one
+                errors.append(float("inf"))
+                print(f"  {label}: {cfg.to_dict()} failed on its check: {type(error).__name__}: {error}", flush=True)
+                break
+            finite = bool(torch.isfinite(out).all())  # (synchronises)
+            errors.append(relative_error(out, reference) if finite else float("inf"))
+        if max(errors) <= bound:
+            return cfg, us, dict(rel_err=max(errors), bound=bound, faster_failed=len(rejected))
+        rejected.append(cfg)
+        print(f"  {label}: {cfg.to_dict()} ({us:.1f} us) is off the reference by {max(errors):.2e} > {bound}: "
+              "the next fastest config is checked", flush=True)
+    raise RuntimeError(f"{label}: none of the {len(results)} configs timed passed the check against the reference")
+
+
+def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Generator) -> Tuple[dict, float, int, dict]:
+    """Searches one (shape, M) point; returns (the best config that passed its check, as stored, its us, candidates
+    timed, the check's record)."""
     E, H, I, topk = _shape(name)
     x, tw, ti = make_inputs(M, E, H, I, topk, gen)
     x, out = x.to(dtype), torch.empty(M, H, device="cuda", dtype=dtype)
@@ -128,13 +177,20 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
             # The config that forward ran, from the resolver the forward asks.
             return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(fp8=True), target_of(), cfg)
         candidates = fp8_candidates(M, E, H, I, topk, fitted)
-    best, us, results = search_fmoe2(M, E, H, I, topk, dtype,
-                                     lambda cfg: lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg,
-                                                                         deterministic=a.deterministic),
-                                     f"{name} M={M}", candidates)
-    if a.dtype == "fp8":
+    _, _, results = search_fmoe2(M, E, H, I, topk, dtype,
+                                 lambda cfg: lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg,
+                                                                     deterministic=a.deterministic),
+                                 f"{name} M={M}", candidates)
+    fp8 = a.dtype == "fp8"
+    # float32 throughout for 16-bit weights; fp8: the reference quantizes the activations as the kernels do
+    reference = fmoe2.fused_moe_reference(x if fp8 else x.float(), prepared, None, tw, ti).float()
+    best, us, check = checked_pick(
+        results, lambda cfg, o: fmoe2.fused_moe(x, prepared, None, tw, ti, out=o, config=cfg,
+                                                deterministic=a.deterministic),
+        reference, x.dtype, BOUND["fp8" if fp8 else "bf16"], f"{name} M={M}")
+    if fp8:
         best = fitted(best)  # (a tensor-descriptor twin runs with pointer loads: stored as it ran)
-    return best.to_dict(), us, len(results)
+    return best.to_dict(), us, len(results), check
 
 
 def base_candidates(name: str, M: int, a) -> list:
@@ -163,7 +219,8 @@ def compile_candidates(name: str, ms: List[int], a) -> None:
 def compile_in_parallel(name: str, ms: List[int], a) -> None:
     """Compiles shape ``name``'s candidates at ``ms`` in up to ``--compile-workers`` processes at once."""
     E, H, I, topk = _shape(name)
-    weight_bytes = E * 3 * H * I * (1 if a.dtype == "fp8" else DTYPES[a.dtype].itemsize)
+    # the 16-bit draw and its prepared copy, both held while the weights are prepared
+    weight_bytes = E * 3 * H * I * 2 * DTYPES[a.dtype].itemsize
     command = [sys.executable, "-m", "fmoe2.tune", "--shape", name, "--m", ",".join(map(str, ms)), "--dtype", a.dtype]
     compile_in_processes(command + (["--deterministic"] if a.deterministic else []), a.compile_workers, weight_bytes,
                          name)
@@ -173,8 +230,10 @@ def prepared_weights(name: str, a, gen: torch.Generator):
     """Random expert weights of shape ``name`` in ``--dtype``, prepared."""
     E, H, I, topk = _shape(name)
     dtype = DTYPES[a.dtype]
-    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / math.sqrt(H)).to(dtype)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / math.sqrt(I)).to(dtype)
+    # drawn in the 16-bit dtype: a float32 draw took twice the weights' bytes at its peak (DeepSeek-V3's compiling
+    # processes ran out of memory on an H200, 2026-11-28)
+    w1 = torch.randn(E, 2 * I, H, device="cuda", generator=gen, dtype=dtype).div_(math.sqrt(H))
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen, dtype=dtype).div_(math.sqrt(I))
     if a.dtype == "fp8":
         (q1, s1), (q2, s2) = fmoe2.quantize_fp8_weights(w1, "block"), fmoe2.quantize_fp8_weights(w2, "block")
         del w1, w2
@@ -190,8 +249,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fmoe2.tune", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", required=True,
-                   help=f"comma-separated names from {sorted(ALL_SHAPES)}, 'served' ({len(SERVED_SHAPES)} served "
-                        f"models' shapes: fmoe2.shapes.SERVED_SHAPES), or one shape ExHxIxtopk (e.g. 32x2880x2880x4)")
+                   help=f"comma-separated names from {sorted(ALL_SHAPES)} or shapes ExHxIxtopk (e.g. 32x2880x2880x4), or "
+                        f"'served' ({len(SERVED_SHAPES)} served models' shapes: fmoe2.shapes.SERVED_SHAPES)")
     p.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes to tune")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
                    help="input and weight dtype (fp8: e4m3 weights with 128 x 128 block scales, bf16 inputs)")
@@ -200,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true", help="tune deterministic mode (its own entry)")
     p.add_argument("--overwrite", action="store_true",
                    help="retune batch sizes the tuned file already holds (default: resume, skipping them)")
+    p.add_argument("--gpus", default="1",
+                   help="visible GPUs to spread the shapes over, one process each: a count or 'all'")
     add_compile_arguments(p, "the search")
     a = p.parse_args(argv)
     if a.deterministic and a.dtype == "fp8":
@@ -211,6 +272,9 @@ def main(argv=None) -> int:
     if a.compile_share:
         compile_candidates(shapes[0], ms, a)
         return 0
+    gpus = visible_gpus(torch.cuda.device_count() if a.gpus == "all" else _count(a.gpus, p))
+    if len(gpus) > 1 and len(shapes) > 1:
+        return tune_on_gpus(shapes, ms, gpus, argv if argv is not None else sys.argv[1:], a)
     todo = tune_points(shapes, ms, a)
     skipped = len(shapes) * len(ms) - len(todo)
     dtype = DTYPES[a.dtype]
@@ -228,27 +292,108 @@ def main(argv=None) -> int:
             if a.compile_workers:
                 compile_in_parallel(name, [m for n, m in todo if n == name], a)
             prepared = prepared_weights(name, a, gen)
-        entry, us, count = tune_point(name, M, prepared, dtype, a, gen)
+        entry, us, count, check = tune_point(name, M, prepared, dtype, a, gen)
         path = _tuned_path(name, a)
-        _store(path, _section(a), M, entry)
+        _store(path, _section(a), M, entry, check)
         timed += count
         elapsed = time.time() - t0
         left = (planned - timed) * elapsed / max(timed, 1)
-        print(f"[{i + 1}/{len(todo)}] {name} M={M}: {us:.1f} us with {entry} -> {path}; {_minutes(elapsed)} "
+        print(f"[{i + 1}/{len(todo)}] {name} M={M}: {us:.1f} us with {entry} (error {check['rel_err']:.1e}) -> "
+              f"{path}; {_minutes(elapsed)} "
               f"so far, about {_minutes(max(left, 0))} left", flush=True)
     return 0
+
+
+def _count(value: str, parser) -> int:
+    if not value.isdigit() or int(value) < 1:
+        parser.error(f"--gpus takes a count >= 1 or 'all', got {value!r}")
+    return int(value)
+
+
+def visible_gpus(count: int) -> List[str]:
+    """The ids of the first ``count`` visible GPUs as the visibility variable names them (the variable's own list where
+    it is set); more than there are: ValueError."""
+    variable = "HIP_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES"
+    listed = [g.strip() for g in os.environ[variable].split(",") if g.strip()] if variable in os.environ else None
+    available = listed if listed is not None else [str(i) for i in range(torch.cuda.device_count())]
+    if count > len(available):
+        raise ValueError(f"--gpus {count}: only {len(available)} GPUs are visible")
+    return available[:count]
+
+
+def spread_shapes(work: dict, lanes: int) -> List[List[str]]:
+    """``work`` (shape -> estimated seconds) split into ``lanes`` lists of shapes, the largest first, each to the lane
+    with the least work so far; empty lanes dropped."""
+    loads, groups = [0.0] * lanes, [[] for _ in range(lanes)]
+    for name, seconds in sorted(work.items(), key=lambda kv: -kv[1]):
+        lane = loads.index(min(loads))
+        loads[lane] += seconds
+        groups[lane].append(name)
+    return [group for group in groups if group]
+
+
+def _without_gpus(argv: List[str]) -> List[str]:
+    """``argv`` less its ``--shape`` and ``--gpus`` options (either spelling: ``--gpus 4`` or ``--gpus=4``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--gpus", "--shape"):
+            skip = True
+        elif not arg.startswith(("--gpus=", "--shape=")):
+            out.append(arg)
+    return out
+
+
+def tune_on_gpus(shapes: List[str], ms: List[int], gpus: List[str], argv: List[str], a) -> int:
+    """Runs this tuner once per GPU of ``gpus`` (its environment pinned to that GPU) on its share of ``shapes``
+    (:func:`spread_shapes` of each shape's points still to tune, weighted by its weights' size), the lines of each
+    prefixed with its GPU; returns the first failing process's exit status, else 0."""
+    work = {}
+    for name in shapes:
+        E, H, I, topk = _shape(name)
+        points = tune_points([name], ms, a)
+        if points:  # candidates to time, each taking longer the more weight bytes it reads
+            work[name] = sum(len(base_candidates(n, M, a)) for n, M in points) * (1 + E * H * I / 2 ** 30)
+    if not work:
+        print("every point is already in its tuned file (--overwrite retunes them)", flush=True)
+        return 0
+    groups = spread_shapes(work, len(gpus))
+    variable = "HIP_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES"
+    rest = _without_gpus(argv)
+    procs = []
+    for gpu, group in zip(gpus, groups):
+        print(f"GPU {gpu}: {', '.join(group)}", flush=True)
+        procs.append((gpu, subprocess.Popen([sys.executable, "-m", "fmoe2.tune", "--shape", ",".join(group), *rest],
+                                            env={**os.environ, variable: gpu}, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)))
+
+    def relay(gpu, proc):
+        for line in proc.stdout:
+            print(f"[GPU {gpu}] {line}", end="", flush=True)
+
+    relays = [threading.Thread(target=relay, args=pair) for pair in procs]
+    for thread in relays:
+        thread.start()
+    for thread in relays:
+        thread.join()
+    codes = [proc.wait() for _, proc in procs]
+    return next((code for code in codes if code), 0)
 
 
 def _shape_names(value: str, parser) -> List[str]:
     """Named shapes of ``--shape`` (comma-separated), or the one custom ``ExHxIxtopk`` (or legacy ``E,H,I,topk``)."""
     parts = value.split(",")
-    if all(part in ALL_SHAPES for part in parts):
-        return parts
     if len(parts) == 4 and all(part.isdigit() for part in parts):
         return ["x".join(parts)]
-    if len(parts) == 1 and len(value.split("x")) == 4 and all(v.isdigit() for v in value.split("x")):
-        return [value]
-    parser.error(f"--shape: names from {sorted(ALL_SHAPES)}, 'served', or one ExHxIxtopk; got {value!r}")
+
+    def custom(part):
+        return len(part.split("x")) == 4 and all(v.isdigit() for v in part.split("x"))
+
+    if all(part in ALL_SHAPES or custom(part) for part in parts):
+        return parts
+    parser.error(f"--shape: names from {sorted(ALL_SHAPES)} or ExHxIxtopk shapes, comma-separated, or 'served'; got "
+                 f"{value!r}")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ def test_a_rerun_skips_the_entries_its_files_hold(tmp_path):
     assert tune_points(shapes, ms, a) == [(s, m) for s in shapes for m in ms]
     path = _tuned_path("gpt-oss-20b", a)
     assert os.path.dirname(path) == os.path.join(str(tmp_path), device_config_name())
-    _store(path, None, 1, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128})
-    _store(path, None, 16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128})
+    check = dict(rel_err=3e-3, bound=2.5e-2, faster_failed=0)
+    _store(path, None, 1, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128}, check)
+    _store(path, None, 16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128}, check)
+    _store(path, None, 128, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128})  # never checked
     assert tune_points(shapes, ms, a) == [("gpt-oss-20b", 128)] + [("glm-4.5-air", m) for m in ms]
     assert tune_points(shapes, ms, _args(tmp_path, overwrite=True)) == [(s, m) for s in shapes for m in ms]
     # Other modes' entries are their own: an fp8 run still has every point to tune, and its entries keep the rest.
@@ -32,7 +34,7 @@ def test_a_rerun_skips_the_entries_its_files_hold(tmp_path):
     _store(_tuned_path("gpt-oss-20b", fp8), "fp8", 128, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_H": 128})
     with open(path) as f:
         stored = json.load(f)
-    assert list(stored) == ["1", "16", "fp8"] and list(stored["fp8"]) == ["128"]
+    assert list(stored) == ["1", "16", "128", "checked", "fp8"] and list(stored["fp8"]) == ["128"]
     assert not os.path.exists(path + ".tmp")
 
 
@@ -40,6 +42,7 @@ def test_shape_arguments():
     p = argparse.ArgumentParser()
     assert _shape_names("gpt-oss-20b,deepseek-v3", p) == ["gpt-oss-20b", "deepseek-v3"]
     assert _shape_names("8,4096,14336,2", p) == ["8x4096x14336x2"] == _shape_names("8x4096x14336x2", p)
+    assert _shape_names("8x256x128x2,gpt-oss-20b", p) == ["8x256x128x2", "gpt-oss-20b"]
     with pytest.raises(SystemExit):
         _shape_names("gpt-oss-21b", p)
 
@@ -56,7 +59,10 @@ def test_tuning_a_small_shape_writes_its_entry_and_a_rerun_resumes(tmp_path):
     assert "8x256x128x2: candidates compiled in 2 processes" in first.stdout, first.stdout
     path = _tuned_path("8x256x128x2", _args(tmp_path))
     with open(path) as f:
-        entry = json.load(f)["1"]
+        stored = json.load(f)
+    entry = stored["1"]
+    assert stored["checked"]["bf16"]["1"]["rel_err"] <= stored["checked"]["bf16"]["1"]["bound"] == 2.5e-2
+    assert "(error " in first.stdout, first.stdout
     from fmoe2 import FusedMoEConfig
 
     FusedMoEConfig.from_dict(entry)  # a config fused_moe takes
@@ -74,3 +80,94 @@ def test_compiling_processes_fit_the_free_memory_and_share_the_candidates():
     assert sorted(sum(shares, [])) == items and shares[1] == [1, 4, 7]
     with pytest.raises(ValueError):
         share_of(items, "3/3")
+
+
+class _Config:
+    def __init__(self, name):
+        self.name = name
+
+    def to_dict(self):
+        return {"name": self.name}
+
+
+def test_the_fastest_config_that_matches_the_reference_is_picked():
+    import torch
+
+    from fmoe2.tune import checked_pick
+
+    reference = torch.randn(6, 8)
+    wrong, unwritten, right, slow = (_Config(n) for n in ("wrong", "unwritten", "right", "slow"))
+    written = {"wrong": reference + 1.0, "right": reference, "slow": reference}
+
+    def forward(cfg, out):
+        assert out.dtype == torch.float16 and torch.isnan(out).all()  # each call starts from a poisoned output
+        if cfg.name in written:
+            out.copy_(written[cfg.name])
+
+    results = [(slow, 30.0), (right, 20.0), (unwritten, 5.0), (wrong, 10.0)]
+    best, us, check = checked_pick(results, forward, reference, torch.float16, 2.5e-2, "test")
+    assert best is right and us == 20.0 and check["faster_failed"] == 2 and check["rel_err"] < 1e-3
+    with pytest.raises(RuntimeError, match="none of the 2 configs"):
+        checked_pick([(wrong, 1.0), (unwritten, 2.0)], forward, reference, torch.float16, 2.5e-2, "test")
+    calls = []
+
+    def racy(cfg, out):  # right once, then wrong: a race shows on the second call
+        calls.append(cfg)
+        out.copy_(reference if len(calls) % 2 else reference * 2)
+
+    with pytest.raises(RuntimeError):
+        checked_pick([(right, 1.0)], racy, reference, torch.float16, 2.5e-2, "test")
+
+
+def test_checks_are_recorded_beside_the_entries(tmp_path):
+    path = _tuned_path("gpt-oss-20b", _args(tmp_path))
+    entry = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_H": 128}
+    _store(path, None, 16, entry, dict(rel_err=3e-3, bound=2.5e-2, faster_failed=0))
+    _store(path, "fp8", 1, entry, dict(rel_err=9e-3, bound=2e-2, faster_failed=1))
+    _store(path, None, 1, entry, dict(rel_err=2e-3, bound=2.5e-2, faster_failed=0))
+    with open(path) as f:
+        stored = json.load(f)
+    assert list(stored["checked"]["bf16"]) == ["1", "16"] and stored["checked"]["fp8"]["1"]["faster_failed"] == 1
+    from fmoe2.gemm.config import ConfigProblem, tuned_config
+
+    import torch
+
+    # the loader reads the entries alone
+    assert tuned_config(ConfigProblem(16, 32, 2880, 2880, 4, torch.bfloat16), device_config_name(), str(tmp_path),
+                        (None,)) is not None
+
+
+def test_shapes_are_spread_over_gpus_largest_first():
+    from fmoe2.tune import _without_gpus, spread_shapes
+
+    work = {"a": 10.0, "b": 7.0, "c": 5.0, "d": 4.0, "e": 1.0}
+    assert spread_shapes(work, 2) == [["a", "d"], ["b", "c", "e"]]  # 14 and 13
+    assert spread_shapes(work, 8) == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert _without_gpus(["--shape", "served", "--gpus", "4", "--dtype", "fp8", "--gpus=2", "--shape=x"]) == \
+        ["--dtype", "fp8"]
+
+
+@pytest.mark.gpu
+def test_tuning_on_two_gpus_spreads_the_shapes(tmp_path):
+    import subprocess
+    import sys
+
+    # two GPUs: the first two this process was given, else (an xdist worker pinned to one) two the driver lists
+    given = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    try:
+        listed = [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        listed = []
+    gpus = given if len(given) >= 2 else listed
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs")
+    command = [sys.executable, "-m", "fmoe2.tune", "--shape", "8x256x128x2,4x128x256x1", "--m", "1", "--gpus", "2",
+               "--config-dir", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[:2])})
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "GPU 0: " in run.stdout and "GPU 1: " in run.stdout and "[GPU 1] [1/1]" in run.stdout, run.stdout[-3000:]
+    for shape in ("8x256x128x2", "4x128x256x1"):
+        with open(_tuned_path(shape, _args(tmp_path))) as f:
+            stored = json.load(f)
+        assert "1" in stored and stored["checked"]["bf16"]["1"]["rel_err"] <= 2.5e-2
