@@ -44,16 +44,19 @@ import torch
 import fmoe2
 from fmoe2.bench.__main__ import make_inputs
 from fmoe2.bench.correctness import BOUND, relative_error
+from fmoe2.bench.timing import capture_graph
 from fmoe2.bench.precompile import add_arguments as add_compile_arguments
 from fmoe2.bench.precompile import compile_in_processes, run_each_once, share_of
 from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
-from fmoe2.gemm.config import CONFIG_DIR, ConfigMode, ConfigProblem, device_config_name, resolve_config, shape_file_name
+from fmoe2.gemm.config import (CONFIG_DIR, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name,
+                               resolve_config, shape_file_name)
 from fmoe2.shapes import ALL_SHAPES, SERVED_SHAPES
 from fmoe2.target import target_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: the activations' dtype
 SECTIONS = ("deterministic", "fp8")  # entries of a tuned file besides the plain batch sizes
-CHECKED = "checked"  # a tuned file's record of each entry's check: section ("bf16" for the plain entries) -> M -> check
+CHECKED = "checked"  # a tuned file's record of each entry's check: section ("plain" for the plain entries) -> M -> check
+PLAIN = "plain"
 CHECK_CALLS = 2  # eager forwards of a picked config compared with the reference (a race shows as one that differs)
 
 
@@ -95,7 +98,7 @@ def tune_points(shapes: List[str], ms: List[int], a) -> List[Tuple[str, int]]:
         tuned = _load_tuned(_tuned_path(name, a))
         section = _section(a)
         done = tuned.get(section, {}) if section else tuned
-        checked = tuned.get(CHECKED, {}).get(section or "bf16", {})
+        checked = tuned.get(CHECKED, {}).get(section or PLAIN, {})
         todo += [(name, M) for M in ms if a.overwrite or str(M) not in done or str(M) not in checked]
     return todo
 
@@ -125,9 +128,11 @@ def _store(path: str, section: Optional[str], M: int, entry: dict, check: Option
     it finished)."""
     tuned = _load_tuned(path)
     (tuned.setdefault(section, {}) if section else tuned)[str(M)] = entry
-    if check is not None:
-        records = tuned.setdefault(CHECKED, {})
-        records[section or "bf16"] = _by_batch({**records.get(section or "bf16", {}), str(M): check})
+    records = tuned.setdefault(CHECKED, {})
+    kept = {m: r for m, r in records.get(section or PLAIN, {}).items() if m != str(M)}  # (no stale record)
+    records[section or PLAIN] = _by_batch({**kept, **({str(M): check} if check is not None else {})})
+    if not any(records.values()):
+        del tuned[CHECKED]
     for name in SECTIONS:
         if name in tuned:
             tuned[name] = _by_batch(tuned[name])
@@ -139,17 +144,22 @@ def _store(path: str, section: Optional[str], M: int, entry: dict, check: Option
 
 
 def checked_pick(results: list, forward: Callable, reference: torch.Tensor, out_dtype: torch.dtype, bound: float,
-                 label: str):
+                 label: str, replay: Optional[Callable] = None):
     """The fastest of ``results`` (``(config, us)`` pairs) whose ``forward(config, out)`` (``out``: ``[M, H]`` of
     ``out_dtype``) passes the check against ``reference`` (module docstring), with its check record (``rel_err``: the
-    larger of the two calls' errors, ``bound``, ``faster_failed``). RuntimeError when none passes."""
+    largest of the calls' errors, ``bound``, ``faster_failed``). ``replay(forward_of_out, out)``, where given, runs
+    the forward once more as the search timed it (a CUDA graph replay: at one token eager calls run the one-launch
+    decode, graphs the sort path). RuntimeError when none passes."""
     rejected = []
     for cfg, us in sorted(results, key=lambda r: r[1]):
         errors = []
-        for _ in range(CHECK_CALLS):
+        calls = [lambda o, cfg=cfg: forward(cfg, o)] * CHECK_CALLS
+        if replay is not None:
+            calls.append(lambda o, cfg=cfg: replay(lambda into: forward(cfg, into), o))
+        for call in calls:
             out = torch.full_like(reference, float("nan"), dtype=out_dtype)
             try:
-                forward(cfg, out)
+                call(out)
             except Exception as error:  # noqa: BLE001 - a config that cannot run again is rejected like a wrong one
                 errors.append(float("inf"))
                 print(f"  {label}: {cfg.to_dict()} failed on its check: {type(error).__name__}: {error}", flush=True)
@@ -157,19 +167,42 @@ def checked_pick(results: list, forward: Callable, reference: torch.Tensor, out_
             finite = bool(torch.isfinite(out).all())  # (synchronises)
             errors.append(relative_error(out, reference) if finite else float("inf"))
         if max(errors) <= bound:
-            return cfg, us, dict(rel_err=max(errors), bound=bound, faster_failed=len(rejected))
+            return cfg, us, dict(rel_err=max(errors), bound=bound, faster_failed=len(rejected),
+                                 graph=replay is not None)
         rejected.append(cfg)
         print(f"  {label}: {cfg.to_dict()} ({us:.1f} us) is off the reference by {max(errors):.2e} > {bound}: "
               "the next fastest config is checked", flush=True)
     raise RuntimeError(f"{label}: none of the {len(results)} configs timed passed the check against the reference")
 
 
+def replayed(forward_into: Callable, out: torch.Tensor) -> None:
+    """``forward_into(out)`` captured in a CUDA graph, ``out`` poisoned with NaN again after the capture, and the
+    graph replayed once."""
+    graph = capture_graph(lambda: forward_into(out))
+    out.fill_(float("nan"))
+    graph.replay()
+    graph.reset()
+
+
+def point_inputs(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Generator):
+    """One point's random inputs, its forward ``forward(cfg, out)`` and the reference it is checked against (float32
+    throughout for 16-bit weights; fp8: the reference quantizes the activations as the kernels do)."""
+    E, H, I, topk = _shape(name)
+    x, tw, ti = make_inputs(M, E, H, I, topk, gen)
+    x = x.to(dtype)
+    reference = fmoe2.fused_moe_reference(x if a.dtype == "fp8" else x.float(), prepared, None, tw, ti).float()
+
+    def forward(cfg, out):
+        return fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg, deterministic=a.deterministic)
+    return x, tw, ti, forward, reference
+
+
 def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Generator) -> Tuple[dict, float, int, dict]:
     """Searches one (shape, M) point; returns (the best config that passed its check, as stored, its us, candidates
     timed, the check's record)."""
     E, H, I, topk = _shape(name)
-    x, tw, ti = make_inputs(M, E, H, I, topk, gen)
-    x, out = x.to(dtype), torch.empty(M, H, device="cuda", dtype=dtype)
+    x, tw, ti, forward, reference = point_inputs(name, M, prepared, dtype, a, gen)
+    out = torch.empty(M, H, device="cuda", dtype=dtype)
     candidates = base_candidates(name, M, a) if a.deterministic else None
     if a.dtype == "fp8":
         def fitted(cfg, x=x, tw=tw, ti=ti):
@@ -177,20 +210,45 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
             # The config that forward ran, from the resolver the forward asks.
             return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(fp8=True), target_of(), cfg)
         candidates = fp8_candidates(M, E, H, I, topk, fitted)
-    _, _, results = search_fmoe2(M, E, H, I, topk, dtype,
-                                 lambda cfg: lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out, config=cfg,
-                                                                     deterministic=a.deterministic),
-                                 f"{name} M={M}", candidates)
-    fp8 = a.dtype == "fp8"
-    # float32 throughout for 16-bit weights; fp8: the reference quantizes the activations as the kernels do
-    reference = fmoe2.fused_moe_reference(x if fp8 else x.float(), prepared, None, tw, ti).float()
-    best, us, check = checked_pick(
-        results, lambda cfg, o: fmoe2.fused_moe(x, prepared, None, tw, ti, out=o, config=cfg,
-                                                deterministic=a.deterministic),
-        reference, x.dtype, BOUND["fp8" if fp8 else "bf16"], f"{name} M={M}")
-    if fp8:
+    _, _, results = search_fmoe2(M, E, H, I, topk, dtype, lambda cfg: lambda: forward(cfg, out), f"{name} M={M}",
+                                 candidates)
+    best, us, check = checked_pick(results, forward, reference, x.dtype, BOUND["fp8" if a.dtype == "fp8" else "bf16"],
+                                   f"{name} M={M}", replay=replayed)
+    if a.dtype == "fp8":
         best = fitted(best)  # (a tensor-descriptor twin runs with pointer loads: stored as it ran)
     return best.to_dict(), us, len(results), check
+
+
+def recheck(shapes: List[str], ms: List[int], a) -> int:
+    """``--recheck``: each entry the shapes' tuned files hold at ``ms`` (of ``--dtype``'s or ``--deterministic``'s
+    section) checked again as the tuner checks a pick, its record rewritten; no search. Returns how many failed (their
+    entries stay, reported)."""
+    failed = 0
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in shapes:
+        path, section = _tuned_path(name, a), _section(a)
+        tuned = _load_tuned(path)
+        entries = tuned.get(section, {}) if section else {m: c for m, c in tuned.items() if m.isdigit()}
+        points = [M for M in ms if str(M) in entries]
+        if not points:
+            continue
+        prepared = prepared_weights(name, a, gen)
+        for M in points:
+            x, _, _, forward, reference = point_inputs(name, M, prepared, DTYPES[a.dtype], a, gen)
+            cfg = FusedMoEConfig.from_dict(entries[str(M)])
+            try:
+                _, _, check = checked_pick([(cfg, 0.0)], forward, reference, x.dtype,
+                                           BOUND["fp8" if a.dtype == "fp8" else "bf16"], f"{name} M={M}",
+                                           replay=replayed)
+            except RuntimeError as error:
+                failed += 1
+                print(f"FAILED {name} M={M}: {error}", flush=True)
+                continue
+            _store(path, section, M, entries[str(M)], check)
+            print(f"{name} M={M}: error {check['rel_err']:.1e} (eager and a graph replay) -> {path}", flush=True)
+        del prepared
+        torch.cuda.empty_cache()
+    return failed
 
 
 def base_candidates(name: str, M: int, a) -> list:
@@ -219,8 +277,10 @@ def compile_candidates(name: str, ms: List[int], a) -> None:
 def compile_in_parallel(name: str, ms: List[int], a) -> None:
     """Compiles shape ``name``'s candidates at ``ms`` in up to ``--compile-workers`` processes at once."""
     E, H, I, topk = _shape(name)
-    # the 16-bit draw and its prepared copy, both held while the weights are prepared
-    weight_bytes = E * 3 * H * I * 2 * DTYPES[a.dtype].itemsize
+    # About what a compiling process holds at its peak: the 16-bit draw, its prepared copy and the copies preparing
+    # makes on the way (about 2.5x the draw's bytes, read from prepare_weights); fp8: also the quantizer's float32
+    # chunks, about 5 GiB whatever the shape. worker_count leaves a fifth of the free memory besides.
+    weight_bytes = E * 3 * H * I * DTYPES[a.dtype].itemsize * 5 // 2 + (5 << 30 if a.dtype == "fp8" else 0)
     command = [sys.executable, "-m", "fmoe2.tune", "--shape", name, "--m", ",".join(map(str, ms)), "--dtype", a.dtype]
     compile_in_processes(command + (["--deterministic"] if a.deterministic else []), a.compile_workers, weight_bytes,
                          name)
@@ -246,7 +306,8 @@ def _minutes(seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fmoe2.tune", description=__doc__.split("\n\n")[0],
+    # (allow_abbrev=False: --gpus re-runs this command line per GPU less its --shape and --gpus, spelled out)
+    p = argparse.ArgumentParser(prog="python -m fmoe2.tune", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shape", required=True,
                    help=f"comma-separated names from {sorted(ALL_SHAPES)} or shapes ExHxIxtopk (e.g. 32x2880x2880x4), or "
@@ -259,6 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true", help="tune deterministic mode (its own entry)")
     p.add_argument("--overwrite", action="store_true",
                    help="retune batch sizes the tuned file already holds (default: resume, skipping them)")
+    p.add_argument("--recheck", action="store_true",
+                   help="no search: check the entries the tuned files hold against the reference again (eager calls "
+                        "and a CUDA graph replay) and rewrite their records; exit status 1 if one fails")
     p.add_argument("--gpus", default="1",
                    help="visible GPUs to spread the shapes over, one process each: a count or 'all'")
     add_compile_arguments(p, "the search")
@@ -272,9 +336,17 @@ def main(argv=None) -> int:
     if a.compile_share:
         compile_candidates(shapes[0], ms, a)
         return 0
-    gpus = visible_gpus(torch.cuda.device_count() if a.gpus == "all" else _count(a.gpus, p))
+    shapes = _one_name_per_shape(shapes)
+    try:
+        gpus = visible_gpus(torch.cuda.device_count() if a.gpus == "all" else _count(a.gpus, p))
+    except ValueError as error:
+        p.error(str(error))
     if len(gpus) > 1 and len(shapes) > 1:
         return tune_on_gpus(shapes, ms, gpus, argv if argv is not None else sys.argv[1:], a)
+    if len(gpus) > 1:
+        print(f"one shape: tuned on one GPU (--gpus spreads shapes, {len(gpus)} asked)", flush=True)
+    if a.recheck:
+        return 1 if recheck(shapes, ms, a) else 0
     todo = tune_points(shapes, ms, a)
     skipped = len(shapes) * len(ms) - len(todo)
     dtype = DTYPES[a.dtype]
@@ -302,6 +374,16 @@ def main(argv=None) -> int:
               f"{path}; {_minutes(elapsed)} "
               f"so far, about {_minutes(max(left, 0))} left", flush=True)
     return 0
+
+
+def _one_name_per_shape(names: List[str]) -> List[str]:
+    """``names`` less any that names a shape an earlier one names (``gpt-oss-20b`` and ``32x2880x2880x4``: one file)."""
+    seen, unique = set(), []
+    for name in names:
+        if _shape(name) not in seen:
+            seen.add(_shape(name))
+            unique.append(name)
+    return unique
 
 
 def _count(value: str, parser) -> int:
@@ -345,6 +427,13 @@ def _without_gpus(argv: List[str]) -> List[str]:
     return out
 
 
+def shown_line(raw: bytes) -> str:
+    """One line of a tuner process's output as relayed: decoded (undecodable bytes replaced), a progress bar that
+    redraws itself with carriage returns shown at its last state."""
+    parts = raw.decode(errors="replace").rstrip("\r\n").split("\r")
+    return next((part for part in reversed(parts) if part.strip()), "")
+
+
 def tune_on_gpus(shapes: List[str], ms: List[int], gpus: List[str], argv: List[str], a) -> int:
     """Runs this tuner once per GPU of ``gpus`` (its environment pinned to that GPU) on its share of ``shapes``
     (:func:`spread_shapes` of each shape's points still to tune, weighted by its weights' size), the lines of each
@@ -366,11 +455,11 @@ def tune_on_gpus(shapes: List[str], ms: List[int], gpus: List[str], argv: List[s
         print(f"GPU {gpu}: {', '.join(group)}", flush=True)
         procs.append((gpu, subprocess.Popen([sys.executable, "-m", "fmoe2.tune", "--shape", ",".join(group), *rest],
                                             env={**os.environ, variable: gpu}, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True)))
+                                            stderr=subprocess.STDOUT)))
 
     def relay(gpu, proc):
-        for line in proc.stdout:
-            print(f"[GPU {gpu}] {line}", end="", flush=True)
+        for raw in proc.stdout:
+            print(f"[GPU {gpu}] {shown_line(raw)}", flush=True)
 
     relays = [threading.Thread(target=relay, args=pair) for pair in procs]
     for thread in relays:

@@ -61,13 +61,18 @@ def test_tuning_a_small_shape_writes_its_entry_and_a_rerun_resumes(tmp_path):
     with open(path) as f:
         stored = json.load(f)
     entry = stored["1"]
-    assert stored["checked"]["bf16"]["1"]["rel_err"] <= stored["checked"]["bf16"]["1"]["bound"] == 2.5e-2
+    assert stored["checked"]["plain"]["1"]["rel_err"] <= stored["checked"]["plain"]["1"]["bound"] == 2.5e-2
     assert "(error " in first.stdout, first.stdout
     from fmoe2 import FusedMoEConfig
 
     FusedMoEConfig.from_dict(entry)  # a config fused_moe takes
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 points to tune (1 already in their tuned files" in again.stdout, again.stdout
+    checked = subprocess.run(command + ["--recheck"], capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0 and "8x256x128x2 M=1: error" in checked.stdout, checked.stdout + checked.stderr
+    with open(path) as f:
+        record = json.load(f)["checked"]["plain"]["1"]
+    assert record["graph"] and record["rel_err"] <= 2.5e-2
 
 
 def test_compiling_processes_fit_the_free_memory_and_share_the_candidates():
@@ -118,6 +123,24 @@ def test_the_fastest_config_that_matches_the_reference_is_picked():
     with pytest.raises(RuntimeError):
         checked_pick([(right, 1.0)], racy, reference, torch.float16, 2.5e-2, "test")
 
+    replaying = []
+
+    def graph_forward(cfg, out):  # right when called, wrong for "right" when replayed as a CUDA graph would
+        forward(cfg, out)
+        if replaying and cfg is right:
+            out.mul_(2)
+
+    def replay(forward_into, out):
+        replaying.append(True)
+        try:
+            forward_into(out)
+        finally:
+            replaying.clear()
+
+    best, _, check = checked_pick(results, graph_forward, reference, torch.float16, 2.5e-2, "test", replay=replay)
+    assert best is slow and check["faster_failed"] == 3 and check["graph"]
+    assert not checked_pick(results, forward, reference, torch.float16, 2.5e-2, "test")[2]["graph"]
+
 
 def test_checks_are_recorded_beside_the_entries(tmp_path):
     path = _tuned_path("gpt-oss-20b", _args(tmp_path))
@@ -127,7 +150,10 @@ def test_checks_are_recorded_beside_the_entries(tmp_path):
     _store(path, None, 1, entry, dict(rel_err=2e-3, bound=2.5e-2, faster_failed=0))
     with open(path) as f:
         stored = json.load(f)
-    assert list(stored["checked"]["bf16"]) == ["1", "16"] and stored["checked"]["fp8"]["1"]["faster_failed"] == 1
+    assert list(stored["checked"]["plain"]) == ["1", "16"] and stored["checked"]["fp8"]["1"]["faster_failed"] == 1
+    _store(path, None, 16, entry)  # an entry written without a check keeps no older record
+    with open(path) as f:
+        assert list(json.load(f)["checked"]["plain"]) == ["1"]
     from fmoe2.gemm.config import ConfigProblem, tuned_config
 
     import torch
@@ -138,13 +164,17 @@ def test_checks_are_recorded_beside_the_entries(tmp_path):
 
 
 def test_shapes_are_spread_over_gpus_largest_first():
-    from fmoe2.tune import _without_gpus, spread_shapes
+    from fmoe2.tune import _one_name_per_shape, _without_gpus, shown_line, spread_shapes
 
     work = {"a": 10.0, "b": 7.0, "c": 5.0, "d": 4.0, "e": 1.0}
     assert spread_shapes(work, 2) == [["a", "d"], ["b", "c", "e"]]  # 14 and 13
     assert spread_shapes(work, 8) == [["a"], ["b"], ["c"], ["d"], ["e"]]
     assert _without_gpus(["--shape", "served", "--gpus", "4", "--dtype", "fp8", "--gpus=2", "--shape=x"]) == \
         ["--dtype", "fp8"]
+    assert _one_name_per_shape(["gpt-oss-20b", "32x2880x2880x4", "8x256x128x2", "gpt-oss-20b"]) == \
+        ["gpt-oss-20b", "8x256x128x2"]
+    assert shown_line(b"\r  s M=1 [#   ] 1/4\r  s M=1 [####] 4/4 best 9.1 us\n") == "  s M=1 [####] 4/4 best 9.1 us"
+    assert shown_line(b"[1/2] s M=1: 9.1 us \xff\n") == "[1/2] s M=1: 9.1 us \ufffd"
 
 
 @pytest.mark.gpu
@@ -166,8 +196,9 @@ def test_tuning_on_two_gpus_spreads_the_shapes(tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus[:2])})
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "GPU 0: " in run.stdout and "GPU 1: " in run.stdout and "[GPU 1] [1/1]" in run.stdout, run.stdout[-3000:]
+    assert f"GPU {gpus[0]}: " in run.stdout and f"GPU {gpus[1]}: " in run.stdout, run.stdout[-3000:]
+    assert f"[GPU {gpus[1]}] [1/1]" in run.stdout and "\r" not in run.stdout, run.stdout[-3000:]
     for shape in ("8x256x128x2", "4x128x256x1"):
         with open(_tuned_path(shape, _args(tmp_path))) as f:
             stored = json.load(f)
-        assert "1" in stored and stored["checked"]["bf16"]["1"]["rel_err"] <= 2.5e-2
+        assert "1" in stored and stored["checked"]["plain"]["1"]["rel_err"] <= 2.5e-2

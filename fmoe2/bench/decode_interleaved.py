@@ -46,8 +46,13 @@ CEILING_BACKEND = "no_experts"  # the experts call as a zeros allocation: the st
 
 
 def no_experts(module, hidden_states, top_k_index, top_k_weights):
-    """An experts backend that computes nothing (zeros of the output's shape): the ceiling of any backend."""
-    return torch.zeros_like(hidden_states)
+    """An experts backend that computes nothing (zeros of the output's shape): the ceiling of any backend. Traced by
+    torch.compile, the zeros read the routing weights (one fused op), so the compiled step keeps the router that an
+    experts backend needs (unread, Inductor would drop it as dead code)."""
+    zeros = torch.zeros_like(hidden_states)
+    if torch.compiler.is_compiling():
+        zeros = zeros + top_k_weights.sum().to(zeros.dtype) * 0
+    return zeros
 
 
 def register_ceiling() -> str:
@@ -230,7 +235,9 @@ def main(argv=None) -> int:
     fmoe2_transformers.register()
     backends = a.backends.split(",")
     if a.ceiling and CEILING_BACKEND not in backends:
-        backends.append(register_ceiling())
+        backends.append(CEILING_BACKEND)
+    if CEILING_BACKEND in backends:
+        register_ceiling()
     result = {**run_record("python -m fmoe2.bench.decode_interleaved", argv), "transformers": transformers.__version__,
               "layers": a.layers, "prompt": a.prompt, "new_tokens": a.new_tokens, "rounds": a.rounds,
               "backends": backends, "compiled": a.compile, "batches": batches, "rows": [], "logits_rel_err": {}}

@@ -6,7 +6,8 @@
 Builds the 4-layer model of ``fmoe2.bench.model`` (``--model``, default Qwen3-30B-A3B) and, for each backend at
 ``--batch`` sequences: runs a 9-token static-cache ``generate`` twice (transformers compiles the decode step), prints
 Inductor's CUDA-graph counters (``cudagraph_skips`` counts graphs it did not capture), Dynamo's graph breaks and
-recompiles, then profiles one more ``generate`` (timed) and prints the kernels by CUDA time and the total GPU time.
+recompiles, times one more ``generate``, then profiles another and prints the kernels by CUDA time and the total GPU
+time.
 """
 from __future__ import annotations
 

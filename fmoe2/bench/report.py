@@ -157,10 +157,12 @@ def write_report(out_dir: str, device: str, plot_dir: str = None) -> str:
 def write_tuned_configs(out_dir: str, device: str, config_dir: str):
     """fmoe2's best config per batch size, per shape, as the tuned files :func:`fmoe2.get_config` reads (a
     file's ``"deterministic"`` and ``"fp8"`` entries, from ``python -m fmoe2.tune --deterministic`` and
-    ``--dtype fp8``, are kept)."""
+    ``--dtype fp8``, are kept, with their check records; each plain entry's record is the benchmark's check of it
+    against the float32 reference)."""
     import torch
 
     from ..gemm.config import shape_file_name
+    from .correctness import BOUND
 
     paths = []
     for run in _load(out_dir, device):
@@ -171,10 +173,17 @@ def write_tuned_configs(out_dir: str, device: str, config_dir: str):
         path = os.path.join(config_dir, device, shape_file_name(r0["E"], r0["H"], r0["I"], r0["topk"], torch.bfloat16))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tuned = {str(r["M"]): r["fmoe2_config"] for r in rs}
+        # each entry's check (fmoe2.tune's record): the benchmark's run of the picked config against the float32
+        # reference, which stops the run where it fails
+        checked = {"plain": {str(r["M"]): dict(rel_err=r["fmoe2_rel_err"], bound=BOUND["bf16"], faster_failed=0, graph=False)
+                             for r in rs}}
         if os.path.exists(path):  # the entries other tuners wrote stay (fmoe2.tune --deterministic, --dtype fp8)
             with open(path) as f:
                 old = json.load(f)
             tuned.update({section: old[section] for section in ("deterministic", "fp8") if old.get(section)})
+            checked.update({section: records for section, records in old.get("checked", {}).items()
+                            if section in ("deterministic", "fp8")})
+        tuned["checked"] = checked
         with open(path, "w") as f:
             json.dump(tuned, f, indent=1)
             f.write("\n")

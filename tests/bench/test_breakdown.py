@@ -124,13 +124,14 @@ def test_update_replaces_only_the_rerun_batch_sizes(tmp_path):
     assert "d1" not in md and "d2" not in md and "| s | 16 | 7.0 |" in md and "| s | 128 | 11.0 |" in md
     # Tuned files come from every row, whichever run it comes from.
     (tuned,) = write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
-    assert set(json.loads(open(tuned).read())) == {"1", "16", "128"}
+    assert set(json.loads(open(tuned).read())) == {"1", "16", "128", "checked"}  # (each entry's check record)
     # A rewrite keeps deterministic mode's own entries (python -m fmoe2.tune --deterministic).
     with open(tuned, "w") as f:
         json.dump({"1": {}, "deterministic": {"1": {"BLOCK_M": 16}}}, f)
     write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
     rewritten = json.loads(open(tuned).read())
-    assert set(rewritten) == {"1", "16", "128", "deterministic"} and rewritten["deterministic"] == {"1": {"BLOCK_M": 16}}
+    assert set(rewritten) == {"1", "16", "128", "deterministic", "checked"}
+    assert rewritten["deterministic"] == {"1": {"BLOCK_M": 16}}
 
 
 @pytest.mark.parametrize("flag", ["--lora", "--no-search"])

@@ -68,5 +68,9 @@ def test_decode_report_compares_fmoe2_and_the_ceiling_with_the_best_other_backen
     # fmoe2 over grouped_mm (not over the faster ceiling), then the ceiling over grouped_mm
     assert "| qwen3-30b-a3b | 8 | 100.0 | 110.0 | 115.0 | 1.10x | 1.15x | 75% / 50% |" in text
     assert "ceiling / best other" in text and CEILING_BACKEND not in text.split("Logits")[1]
+    for report in (text, decode_markdown(dict(result, backends=["grouped_mm", "fmoe2"]))):
+        for block in report.split("\n\n"):  # every table's rows as wide as its header
+            rows = [line for line in block.splitlines() if line.startswith("|")]
+            assert len({row.count("|") for row in rows}) <= 1, rows
     hidden = torch.randn(5, 16)
     assert torch.equal(no_experts(None, hidden, None, None), torch.zeros(5, 16))
