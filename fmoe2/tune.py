@@ -42,7 +42,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 import fmoe2
-from fmoe2.bench.__main__ import make_inputs
+from fmoe2.bench.problems import make_inputs
 from fmoe2.bench.correctness import BOUND, relative_error
 from fmoe2.bench.timing import capture_graph
 from fmoe2.bench.precompile import add_arguments as add_compile_arguments

@@ -37,71 +37,16 @@ import triton
 import fmoe2
 from fmoe2.fp8 import SCHEMES
 from fmoe2.gemm.config import device_config_name
-from fmoe2.gemm.fused_moe import forward_launches
-from fmoe2.shapes import ALL_SHAPES, SHAPE_OPTIONS, SHAPES
+from fmoe2.shapes import ALL_SHAPES, SHAPES
 
+from .ceilings import dense_gemm_us, floor_us, measure_ceilings, stage_times
 from .precompile import add_arguments as add_compile_arguments
 from .precompile import compile_in_processes, run_each_once, share_of
+from .problems import BF16_TOL, make_inputs, make_weights, rel_err
 from .report import merge_results, write_report
 from .search import baseline_candidates, fmoe2_candidates, search, search_fmoe2
 from .timing import time_in_graph
 from .vllm_style import vllm_style_fused_experts
-
-BF16_TOL = 2.5e-2
-
-
-def measure_ceilings() -> dict:
-    """Device-to-device copy bandwidth (read + write bytes) and bf16 matmul rate on random data."""
-    n = 1 << 30  # 1 GiB of bf16 per buffer
-    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    # An SM copy kernel (a captured same-dtype copy_ may become a copy-engine memcpy node, which is slower).
-    copy_us = time_in_graph(lambda: torch.mul(src, 1, out=dst), calls_per_graph=5, replays=20)
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_us = time_in_graph(lambda: a @ b, calls_per_graph=5, replays=20)
-    return {"copy_bytes_per_s": 2 * n / (copy_us * 1e-6), "bf16_flops_per_s": 2 * 8192**3 / (mm_us * 1e-6)}
-
-
-def floor_us(moved_bytes: float, flops: float, ceilings: dict) -> float:
-    """A forward's floor in us: ``moved_bytes`` over the measured copy bandwidth or ``flops`` over the measured bf16
-    matmul rate (``measure_ceilings``), whichever is longer."""
-    return max(moved_bytes / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"]) * 1e6
-
-
-def stage_times(x, weights, topk_weights, topk_ids, config, out, lora=None, token_lora_ids=None, **options) -> dict:
-    """Median us of each launch of fmoe2's forward alone (names from ``forward_launches``: sort, fused
-    or stage1/stage2, and with adapters the two-stage path's lora_shrink/lora_expand launches), each
-    in its own graph, on the buffers one full forward leaves behind."""
-    launches = forward_launches(x, weights, None, topk_weights, topk_ids, out=out, config=config, lora=lora,
-                                token_lora_ids=token_lora_ids, **options)
-    for _, launch in launches:  # every launch then finds the buffers it reads filled
-        launch()
-    return {name: time_in_graph(launch) for name, launch in launches}
-
-
-def dense_gemm_us(E, H, I, rows_per_expert, gen, timer=time_in_graph) -> float:
-    """Calibration: the forward's two GEMMs as dense batched products through torch (cuBLAS) in bf16,
-    ``rows_per_expert`` rows for each of the E experts (no gather, padding, activation or atomics):
-    what a vendor GEMM library reaches at this size. ``timer``: how each product is timed."""
-    opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)  # gen: its own, so the points' inputs stay put
-    a, w13 = torch.randn(E, rows_per_expert, H, **opts), torch.randn(E, H, 2 * I, **opts)
-    y, w2 = torch.randn(E, rows_per_expert, I, **opts), torch.randn(E, I, H, **opts)
-    return timer(lambda: torch.bmm(a, w13)) + timer(lambda: torch.bmm(y, w2))
-
-
-def make_inputs(M, E, H, I, topk, gen):
-    """bf16 ``x [M, H]``, float32 ``topk_weights`` and int32 ``topk_ids [M, topk]`` (softmax + top-k of random
-    logits) on ``gen``'s device."""
-    x = torch.randn(M, H, device=gen.device, dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(M, E, device=gen.device, generator=gen)
-    topk_weights, topk_ids = torch.topk(logits.softmax(dim=-1), topk, dim=-1)
-    return x, topk_weights, topk_ids.to(torch.int32)
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def try_vllm():
@@ -110,32 +55,6 @@ def try_vllm():
     except Exception:  # noqa: BLE001 - vllm is optional
         return None
     return fused_experts
-
-
-def random_weights(E, H, I, gen):
-    """Random bf16 expert weights ``w1 [E, 2I, H]``, ``w2 [E, H, I]`` on ``gen``'s device (the GPU in the
-    benchmarks), scaled so every stage is O(1)."""
-    w1 = torch.randn(E, 2 * I, H, device=gen.device, dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
-    w2 = torch.randn(E, H, I, device=gen.device, dtype=torch.bfloat16, generator=gen) / math.sqrt(I)
-    return w1, w2
-
-
-def random_biases(E, H, I, gen):
-    """Random bf16 biases ``{"w1_bias": [E, 2I], "w2_bias": [E, H]}`` on ``gen``'s device, small beside the
-    products."""
-    return dict(w1_bias=torch.randn(E, 2 * I, device=gen.device, dtype=torch.bfloat16, generator=gen) * 0.1,
-                w2_bias=torch.randn(E, H, device=gen.device, dtype=torch.bfloat16, generator=gen) * 0.1)
-
-
-def make_weights(name, shape, gen):
-    """Random bf16 expert weights of a benchmark shape (:func:`random_weights`), the shape's own computation
-    (``SHAPE_OPTIONS``: activation, clamp) as ``fused_moe`` keywords, its biases (:func:`random_biases`, or an
-    empty dict) and the weights prepared with them."""
-    E, H, I, topk = shape
-    w1, w2 = random_weights(E, H, I, gen)
-    options = dict(SHAPE_OPTIONS.get(name, {}))
-    biases = random_biases(E, H, I, gen) if options.pop("biases", False) else {}
-    return w1, w2, options, biases, fmoe2.prepare_weights(w1, w2, **biases)
 
 
 def bench_shape(name, shape, ms, do_search, ceilings, gen):

@@ -63,7 +63,7 @@ def point_inputs(variant: str, name: str, shape, gen: torch.Generator) -> dict:
     import fmoe2
     from fmoe2.shapes import SHAPE_OPTIONS
 
-    from .__main__ import random_biases, random_weights
+    from .problems import random_biases, random_weights
 
     E, H, inter, topk = shape
     options = dict(SHAPE_OPTIONS.get(name, {}))

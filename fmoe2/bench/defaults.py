@@ -44,7 +44,8 @@ from fmoe2.gemm.fused_moe import plan_of
 from fmoe2.shapes import ALL_SHAPES, SERVED_SHAPES, SHAPES
 from fmoe2.target import target_of
 
-from .__main__ import BF16_TOL, floor_us, make_weights, measure_ceilings, random_weights, rel_err
+from .ceilings import floor_us, measure_ceilings
+from .problems import BF16_TOL, make_weights, random_weights, rel_err
 from .precompile import add_arguments as add_compile_arguments
 from .precompile import compile_in_processes, run_each_once, share_of
 from .provenance import provenance_line, rewrite_report, run_record

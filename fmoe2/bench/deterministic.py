@@ -90,7 +90,7 @@ def _repeat_and_replay(run, out) -> float:
 
 
 def bench_shape(name, shape, ms, out_dir, gen, candidates: bool):
-    from .__main__ import make_inputs, make_weights, rel_err
+    from .problems import make_inputs, make_weights, rel_err
 
     E, H, I, topk = shape
     w1, w2, options, biases, prepared = make_weights(name, shape, gen)

@@ -112,7 +112,7 @@ def operands(M: int, N: int, K: int, device, fp8_dtype, gen) -> Dict[str, tuple]
 
 
 def bench_problem(M: int, N: int, K: int, gen) -> dict:
-    from .__main__ import rel_err
+    from .problems import rel_err
 
     fp8_dtype = torch.float8_e4m3fn
     problem = operands(M, N, K, "cuda", fp8_dtype, gen)

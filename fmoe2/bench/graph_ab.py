@@ -43,7 +43,7 @@ from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import plan_of
 from fmoe2.shapes import ALL_SHAPES, SHAPES
 
-from .__main__ import make_inputs, random_weights
+from .problems import make_inputs, random_weights
 from .correctness import BOUND, FP8_BLOCK, relative_error
 from .layout import n_contiguous
 from .lora import make_adapters, make_token_lora_ids

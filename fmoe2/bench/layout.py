@@ -27,7 +27,7 @@ import fmoe2
 from fmoe2.gemm.config import device_config_name
 from fmoe2.shapes import ALL_SHAPES, SHAPE_OPTIONS
 
-from .__main__ import random_biases, random_weights
+from .problems import random_biases, random_weights
 from .correctness import relative_error
 from .provenance import provenance_line, run_record, write_result
 from .timing import time_graphs_in_turns

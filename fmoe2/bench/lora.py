@@ -104,7 +104,8 @@ def _plain_baseline_configs(plain_dir, name, M):
 
 def bench_lora_shape(name, shape, ms, ceilings, gen, rank=16, num_loras=4, none_fraction=0.2, do_search=False,
                      plain_dir=os.path.join("misc", "bench")):
-    from .__main__ import make_inputs, rel_err, stage_times
+    from .ceilings import stage_times
+    from .problems import make_inputs, rel_err
 
     E, H, I, topk = shape
     w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)

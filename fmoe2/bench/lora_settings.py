@@ -54,7 +54,7 @@ TWO_STAGE_SETTINGS = [(8, 4, 64, 64), (8, 3, 64, 64), (8, 2, 64, 64), (8, 4, 128
 
 
 def _point(name, M, gen):
-    from .__main__ import make_inputs
+    from .problems import make_inputs
 
     E, H, I, topk = SHAPES[name]
     w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
@@ -146,7 +146,7 @@ def sweep_fused(table_dir, gen):
 
 
 def sweep_two_stage(table_dir, gen):
-    from .__main__ import stage_times
+    from .ceilings import stage_times
 
     rows = []
     for name in ("mixtral-8x7b", "deepseek-v2-lite"):

@@ -97,7 +97,8 @@ def grouped_mm_us(x, w1, w2, topk_ids, E: int) -> Optional[float]:
 
 def bench_prefill_shape(name: str, ms: Sequence[int], routings: Sequence[str], tails: Sequence[int],
                         fp8_schemes: Sequence[str], gen) -> List[dict]:
-    from .__main__ import dense_gemm_us, make_weights, rel_err
+    from .ceilings import dense_gemm_us
+    from .problems import make_weights, rel_err
 
     E, H, I, topk = ALL_SHAPES[name]
     w1, w2, options, biases, prepared = make_weights(name, (E, H, I, topk), gen)

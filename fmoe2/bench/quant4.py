@@ -31,7 +31,8 @@ import torch
 import fmoe2
 from .. import quant4
 from ..shapes import ALL_SHAPES as SHAPES
-from .__main__ import floor_us, measure_ceilings, rel_err
+from .ceilings import floor_us, measure_ceilings
+from .problems import rel_err
 from .provenance import provenance_line, run_record, write_result
 from .timing import time_graphs_in_turns
 from .vllm_style import vllm_default_config, vllm_style_fused_experts

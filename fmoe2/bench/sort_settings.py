@@ -135,7 +135,7 @@ def one_launch_sort():
 def forward_point(E: int, H: int, inter: int, topk: int, M: int, gen) -> dict:
     """Median microseconds of the forward with the shipped sort (``chunked``) and the one-launch sort
     (``one_launch``), after checking that both give the same output (to the atomics' rounding)."""
-    from .__main__ import make_inputs
+    from .problems import make_inputs
 
     w1 = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(H)
     w2 = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(inter)

@@ -31,7 +31,7 @@ import fmoe2
 from fmoe2.gemm.config import device_config_name
 from fmoe2.shapes import SHAPES
 
-from .__main__ import BF16_TOL, make_inputs, rel_err
+from .problems import BF16_TOL, make_inputs, rel_err
 from .search import fmoe2_candidates
 from .timing import time_in_graph
 

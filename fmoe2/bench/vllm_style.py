@@ -160,7 +160,7 @@ def _align(x, w1, topk_weights, topk_ids, block_m: int):
 
 
 def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGemmConfig, gemm2: GroupedGemmConfig,
-                             activation: str = "silu", lora=None, token_lora_ids=None, lora_cfg=None, w1_bias=None,
+                             activation: str = "silu", lora_steps=None, w1_bias=None,
                              w2_bias=None, swiglu_alpha: float = 1.702, swiglu_limit=None, w1_group_scale=None,
                              w2_group_scale=None, group: int = 1) -> torch.Tensor:
     """The unfused baseline; same math as :func:`fmoe2.fused_moe` (``w1`` gate rows then up rows; biases
@@ -170,8 +170,9 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
     ``w2`` [E, H, I // 2] packed (``fmoe2/quant4.py``) with their group scales ``w1_group_scale`` /
     ``w2_group_scale`` (contiguous, laid out like the packed rows) of ``group`` columns.
 
-    With ``lora`` (a ``BaselineLoRA``) and ``token_lora_ids`` it adds the LoRA alignment and the
-    shrink/expand kernels of ``fmoe2/bench/vllm_style_lora.py`` after each GEMM.
+    ``lora_steps(weights)``, where given (``fmoe2/bench/vllm_style_lora.py``), makes the LoRA steps of the call from the
+    flat float32 routing weights: their ``gate_up`` and ``down`` (alignment, shrink and expand kernels) run after each
+    GEMM.
     """
     if gemm1.BLOCK_M != gemm2.BLOCK_M:
         raise ValueError("gemm1 and gemm2 configs must share BLOCK_M (one alignment serves both)")
@@ -180,14 +181,11 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
     cache2 = torch.empty(num_entries, inter, dtype=x.dtype, device=x.device)
     cache3 = torch.empty(M, topk, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float() if topk_weights.dtype != torch.float32 else topk_weights.reshape(-1)
-    if lora is not None:
-        from .vllm_style_lora import LoRASteps
-
-        lora_steps = LoRASteps(lora, token_lora_ids, topk_ids, topk_weights, weights, lora_cfg)
+    steps = lora_steps(weights) if lora_steps is not None else None
     _grouped_gemm(x, w1, cache1, sorting, weights, num_entries, topk, False, gemm1, w1_bias,
                   group_scale=w1_group_scale, group=group)
-    if lora is not None:
-        lora_steps.gate_up(x, cache1)
+    if steps is not None:
+        steps.gate_up(x, cache1)
     act_block = min(1024, triton.next_power_of_2(inter))
     _gated_activation_kernel[(num_entries, triton.cdiv(inter, act_block))](
         cache1, cache2, inter, ACTIVATION=activation, BLOCK=act_block,
@@ -195,8 +193,8 @@ def vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1: GroupedGe
         SWIGLU_LIMIT=float(swiglu_limit) if swiglu_limit is not None else None)
     _grouped_gemm(cache2, w2, cache3.view(num_entries, H), sorting, weights, num_entries, 1, True, gemm2, w2_bias,
                   group_scale=w2_group_scale, group=group)
-    if lora is not None:
-        lora_steps.down(cache2, cache3.view(num_entries, H))
+    if steps is not None:
+        steps.down(cache2, cache3.view(num_entries, H))
     out = torch.empty_like(x)
     sum_block = min(1024, triton.next_power_of_2(H))
     _topk_sum_kernel[(M, triton.cdiv(H, sum_block))](cache3, out, H, TOPK=topk, BLOCK=sum_block)

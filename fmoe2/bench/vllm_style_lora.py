@@ -122,5 +122,6 @@ def vllm_style_fused_experts_lora(x, w1, w2, topk_weights, topk_ids, lora: Basel
                                   gemm1: GroupedGemmConfig, gemm2: GroupedGemmConfig,
                                   lora_cfg: LoRAKernelConfigs = None, activation: str = "silu") -> torch.Tensor:
     """The unfused baseline with LoRA; same math as ``fmoe2.fused_moe(..., lora=...)``."""
-    return vllm_style_fused_experts(x, w1, w2, topk_weights, topk_ids, gemm1, gemm2, activation, lora=lora,
-                                    token_lora_ids=token_lora_ids, lora_cfg=lora_cfg)
+    return vllm_style_fused_experts(
+        x, w1, w2, topk_weights, topk_ids, gemm1, gemm2, activation,
+        lora_steps=lambda weights: LoRASteps(lora, token_lora_ids, topk_ids, topk_weights, weights, lora_cfg))

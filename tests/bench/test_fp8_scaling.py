@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import DEVICE
 
-from fmoe2.bench.__main__ import rel_err
+from fmoe2.bench.problems import rel_err
 from fmoe2.bench.fp8_scaling import VARIANTS, markdown, operands, scaled_gemm
 
 

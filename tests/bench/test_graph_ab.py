@@ -60,7 +60,7 @@ def test_mode_weights_and_each_copys_arguments(mode):
 def test_reference_and_the_bound_check(mode):
     gen = torch.Generator().manual_seed(1)
     weights = graph_ab.mode_weights(mode, E, H, I, gen)
-    from fmoe2.bench.__main__ import make_inputs
+    from fmoe2.bench.problems import make_inputs
 
     x, tw, ti = make_inputs(3, E, H, I, TOPK, gen)
     ids = torch.tensor([0, -1, 3], dtype=torch.int32) if mode == "lora" else None
