@@ -102,6 +102,9 @@ def quantize_weights(w: torch.Tensor, scheme: str = "block", block_shape: Tuple[
         raise TypeError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
     if w.dim() != 3:
         raise ValueError(f"w must be [E, N, K], got shape {list(w.shape)}")
+    if scheme == "block" and (not isinstance(block_shape, (tuple, list)) or len(block_shape) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_shape)):
+        raise ValueError(f"block_shape must be a pair of positive ints (block_n, block_k), got {block_shape!r}")
     # A few experts at a time: float32 temporaries of a whole layer (DeepSeek-V3: 45 GB) would not fit.
     step = max(1, (1 << 28) // max(1, w.shape[1] * w.shape[2]))
     parts = [_quantize_expert_weights(w[e:e + step], scheme, block_shape, dtype) for e in range(0, w.shape[0], step)]
@@ -111,24 +114,29 @@ def quantize_weights(w: torch.Tensor, scheme: str = "block", block_shape: Tuple[
 def _quantize_expert_weights(w, scheme, block_shape, dtype):
     E, N, K = w.shape
     wf = w.float()
+    finite = torch.isfinite(wf)
+    # Scales from the finite values; a NaN or inf weight becomes fp8 NaN (e4m3 has no inf), as a 16-bit forward
+    # would carry it (a NaN in a block's maximum had made its scale 1 / fp8_max: the block's other values clipped to 1).
+    magnitude = torch.where(finite, wf.abs(), 0.0)
     if scheme == "block":
         bn, bk = block_shape
         sn, sk = triton.cdiv(N, bn), triton.cdiv(K, bk)
         padded = wf.new_zeros(E, sn * bn, sk * bk)
-        padded[:, :N, :K] = wf
-        amax = padded.view(E, sn, bn, sk, bk).abs().amax(dim=(2, 4))
+        padded[:, :N, :K] = magnitude
+        amax = padded.view(E, sn, bn, sk, bk).amax(dim=(2, 4))
         scale = torch.where(amax > 0, amax, 1.0) / fp8_max(dtype)
         full = scale.repeat_interleave(bn, 1).repeat_interleave(bk, 2)[:, :N, :K]
     elif scheme == "channel":
-        amax = wf.abs().amax(dim=2)
+        amax = magnitude.amax(dim=2)
         scale = torch.where(amax > 0, amax, 1.0) / fp8_max(dtype)
         full = scale[:, :, None]
     else:
-        amax = wf.abs().amax(dim=(1, 2))
+        amax = magnitude.amax(dim=(1, 2))
         scale = torch.where(amax > 0, amax, 1.0) / fp8_max(dtype)
         full = scale[:, None, None]
     limit = fp8_max(dtype)
-    return (wf / full).clamp(-limit, limit).to(dtype), scale.contiguous()
+    quantized = torch.where(finite, (wf / full).clamp(-limit, limit), float("nan"))
+    return quantized.to(dtype), scale.contiguous()
 
 
 def to_e4m3fnuz(w: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -76,6 +76,16 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: Optional[
     return ((q - zero[..., None]) * scales.to(torch.float32)[..., None]).flatten(-2).to(dtype)
 
 
+def _check_finite(w: torch.Tensor, fmt: str) -> None:
+    """4-bit codes hold no NaN or inf: a weight holding one is refused (quantized, it became a finite value, and
+    the forward finite where the 16-bit one is not)."""
+    bad = ~torch.isfinite(w)
+    if bad.any():
+        where = [int(i) for i in bad.nonzero()[0].tolist()]
+        raise ValueError(f"w holds {int(bad.sum())} NaN or inf values (the first at index {where}): {fmt} codes "
+                         "cannot represent them")
+
+
 def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(packed [..., N, K // 2] uint8, scales [..., N, K // 32] uint8)`` of a float weight ``[..., N, K]`` (K a
     multiple of 32): each group's scale is the power of two that brings its largest magnitude to at most 6
@@ -83,6 +93,7 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     gpt-oss is published in this format."""
     if w.shape[-1] % MXFP4_GROUP:
         raise ValueError(f"mxfp4 needs K a multiple of {MXFP4_GROUP}, got {w.shape[-1]}")
+    _check_finite(w, "mxfp4")
     g = w.to(torch.float32).unflatten(-1, (-1, MXFP4_GROUP))
     amax = g.abs().amax(-1)
     # smallest power of two p with amax / p <= 6
@@ -107,6 +118,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = Fals
         raise ValueError(f"group_size must be one of {INT4_GROUPS}, got {group_size}")
     if w.shape[-1] % group_size:
         raise ValueError(f"int4 needs K a multiple of group_size={group_size}, got {w.shape[-1]}")
+    _check_finite(w, "int4")
     g = w.to(torch.float32).unflatten(-1, (-1, group_size))
     if symmetric:
         scale = (g.abs().amax(-1) / 7.0).to(w.dtype).float()
@@ -144,6 +156,13 @@ def _check_int32(name: str, t: torch.Tensor, shape: Tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
+def _check_columns(N: int) -> None:
+    """The checkpoints pack eight N columns per int32 (qzeros; AWQ's qweight too): N must then be a multiple of 8."""
+    if N % 8:
+        raise ValueError(f"scales [K // G, N] give N = {N}: GPTQ and AWQ layers pack eight columns per int32, so N must "
+                         "be a multiple of 8")
+
+
 def from_gptq(qweight: torch.Tensor, qzeros: Optional[torch.Tensor], scales: torch.Tensor,
               g_idx: Optional[torch.Tensor] = None, *, zero_offset: int = 1
               ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -157,6 +176,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: Optional[torch.Tensor], scales: tor
     if scales.dim() != 2:
         raise ValueError(f"scales must be [K // G, N], got shape {list(scales.shape)}")
     num_groups, N = scales.shape
+    if qzeros is not None:  # (qweight packs along K; qzeros along N)
+        _check_columns(N)
     _check_int32("qweight", qweight, (qweight.shape[0], N))
     K = qweight.shape[0] * 8
     if K % num_groups or (K // num_groups) not in INT4_GROUPS:
@@ -185,6 +206,7 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     if scales.dim() != 2:
         raise ValueError(f"scales must be [K // G, N], got shape {list(scales.shape)}")
     num_groups, N = scales.shape
+    _check_columns(N)
     _check_int32("qweight", qweight, (qweight.shape[0], N // 8))
     K = qweight.shape[0]
     if K % num_groups or (K // num_groups) not in INT4_GROUPS:

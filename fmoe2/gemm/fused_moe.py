@@ -256,6 +256,9 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
     w1, w2, w1_bias, w2_bias = weights.w1, weights.w2, weights.w1_bias, weights.w2_bias
     w1_scale, w2_scale, block_shape = weights.w1_scale, weights.w2_scale, weights.block_shape
     gate_up_interleaved = weights.gate_up_interleaved
+    if not isinstance(gate_up_interleaved, bool):  # ("no" is truthy: it read as True)
+        raise TypeError(f"gate_up_interleaved must be a bool (True: w1's rows are g0, u0, g1, u1, ...), got "
+                        f"{gate_up_interleaved!r}")
     if isinstance(w1, PreparedMoEWeights):
         if w2 is not None:
             raise ValueError("w2 must be None when w1 is a PreparedMoEWeights (it already holds the down weights)")

@@ -161,6 +161,13 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     H and I must be multiples of the group. Biases of 4-bit weights may be in any float dtype (gpt-oss keeps
     float32 ones); they are added in float32.
     """
+    if isinstance(pad_to, bool) or not isinstance(pad_to, int):
+        raise TypeError(f"pad_to must be a positive int (the padded sizes' multiple), got {pad_to!r}")
+    if pad_to < 1:
+        raise ValueError(f"pad_to must be a positive int (the padded sizes' multiple), got {pad_to!r}")
+    if not isinstance(gate_up_interleaved, bool):
+        raise TypeError(f"gate_up_interleaved must be a bool (True: w1's rows are g0, u0, g1, u1, ...), got "
+                        f"{gate_up_interleaved!r}")
     if any(isinstance(w, torch.Tensor) and w.dtype == torch.uint8 for w in (w1, w2)):
         return _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_scale, w2_scale, w1_zero,
                                w2_zero, block_shape, fp8_dtype)
