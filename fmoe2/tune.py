@@ -322,7 +322,7 @@ def main(argv=None) -> int:
                    help="retune batch sizes the tuned file already holds (default: resume, skipping them)")
     p.add_argument("--recheck", action="store_true",
                    help="no search: check the entries the tuned files hold against the reference again (eager calls "
-                        "and a CUDA graph replay) and rewrite their records; exit status 1 if one fails")
+                        "and a CUDA graph replay) and rewrite their records, on one GPU; exit status 1 if one fails")
     p.add_argument("--gpus", default="1",
                    help="visible GPUs to spread the shapes over, one process each: a count or 'all'")
     add_compile_arguments(p, "the search")
@@ -341,12 +341,12 @@ def main(argv=None) -> int:
         gpus = visible_gpus(torch.cuda.device_count() if a.gpus == "all" else _count(a.gpus, p))
     except ValueError as error:
         p.error(str(error))
+    if a.recheck:  # (seconds per entry, on one GPU: the spread below counts only the points still to tune)
+        return 1 if recheck(shapes, ms, a) else 0
     if len(gpus) > 1 and len(shapes) > 1:
         return tune_on_gpus(shapes, ms, gpus, argv if argv is not None else sys.argv[1:], a)
     if len(gpus) > 1:
         print(f"one shape: tuned on one GPU (--gpus spreads shapes, {len(gpus)} asked)", flush=True)
-    if a.recheck:
-        return 1 if recheck(shapes, ms, a) else 0
     todo = tune_points(shapes, ms, a)
     skipped = len(shapes) * len(ms) - len(todo)
     dtype = DTYPES[a.dtype]

@@ -202,3 +202,16 @@ def test_tuning_on_two_gpus_spreads_the_shapes(tmp_path):
         with open(_tuned_path(shape, _args(tmp_path))) as f:
             stored = json.load(f)
         assert "1" in stored and stored["checked"]["plain"]["1"]["rel_err"] <= 2.5e-2
+
+
+def test_recheck_runs_on_one_gpu_whatever_gpus_asks(monkeypatch):
+    # (spread over GPUs, a recheck found no point still to tune and checked nothing)
+    import fmoe2.tune as tune
+
+    calls = []
+    monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(tune, "recheck", lambda shapes, ms, a: calls.append(("recheck", shapes)) or 0)
+    monkeypatch.setattr(tune, "tune_on_gpus", lambda *args: calls.append(("spread",)) or 0)
+    assert tune.main(["--shape", "gpt-oss-20b,glm-4.5-air", "--recheck", "--gpus", "2"]) == 0
+    assert calls == [("recheck", ["gpt-oss-20b", "glm-4.5-air"])]
