@@ -34,8 +34,9 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._validation import interpreter_requested
+from .formats import WEIGHT_FORMATS
 from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
-from .gemm.config import ConfigMode, ConfigProblem, fit_packed_config, resolve_config
+from .gemm.config import ConfigMode, ConfigProblem, resolve_config
 from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, decode_launch,
                             decodes_in_one_launch, deltas_in_stages, forward_specs, fused_kernel_casts,
                             fused_kernel_launch, lora_expand_launch, lora_shrink_launch, stage2_kernel_launch)
@@ -56,10 +57,10 @@ TARGET_SHARED_MEMORY = {name: t.shared_memory for name, t in NAMED_TARGETS.items
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8",
-                 torch.uint8: "u8"}
-# The groups the report compiles 4-bit weights with: mxfp4's 32; for int4 the largest of these that divides H and I
-# (prepare_weights refuses the others: gpt-oss's 2880 takes 64).
-PACKED_GROUPS = {"mxfp4": (32,), "int4": (128, 64, 32)}
+                 torch.uint8: "u8", torch.int8: "i8"}
+# The groups the report compiles weight-only formats with: mxfp4's 32; for int4 and int8 the largest of these that
+# divides H and I (prepare_weights refuses the others: gpt-oss's 2880 takes 64).
+PACKED_GROUPS = {"mxfp4": (32,), "int4": (128, 64, 32), "int8": (128, 64, 32)}
 
 
 def packed_group(weights: str, H: int, inter: int) -> int:
@@ -247,16 +248,17 @@ def _meta_weights(target_name: str, E: int, H: int, inter: int, dtype: torch.dty
     if fp8:
         weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
     scales = {}
-    if weights:  # packed two values per byte along K, H and I padded to whole groups (fmoe2.prepare_weights)
-        group = packed_group(weights, H, inter)
+    if weights:  # as fmoe2.prepare_weights stores the format: H and I padded to whole groups
+        fmt = WEIGHT_FORMATS[weights]
+        group, per = packed_group(weights, H, inter), fmt.values_per_element
         h_pad, i_pad = _round_up(H, max(64, group)), _round_up(inter, max(64, group))
-        w1 = torch.empty(E, 2 * i_pad, h_pad // 2, dtype=torch.uint8, **meta)
-        w2 = torch.empty(E, h_pad, i_pad // 2, dtype=torch.uint8, **meta)
-        pair = () if weights == "mxfp4" else (2,)
-        scale_dtype = torch.uint8 if weights == "mxfp4" else torch.float16
-        scales = dict(w1_scale=torch.empty(E, 2 * i_pad, h_pad // group, *pair, dtype=scale_dtype, **meta),
-                      w2_scale=torch.empty(E, h_pad, i_pad // group, *pair, dtype=scale_dtype, **meta),
-                      scale_block=(1, group))
+        w1 = torch.empty(E, 2 * i_pad, h_pad // per, dtype=fmt.weight_dtypes[0], **meta)
+        w2 = torch.empty(E, h_pad, i_pad // per, dtype=fmt.weight_dtypes[0], **meta)
+        entry = () if fmt.scale_entry == 1 else (fmt.scale_entry,)
+        scale_dtype = torch.float16 if torch.float16 in fmt.scale_dtypes else fmt.scale_dtypes[0]
+        scales = dict(w1_scale=torch.empty(E, 2 * i_pad, h_pad // group, *entry, dtype=scale_dtype, **meta),
+                      w2_scale=torch.empty(E, h_pad, i_pad // group, *entry, dtype=scale_dtype, **meta),
+                      scale_block=(1, group), weight_format=weights)
     elif prepared:
         h_pad, i_pad = _round_up(H, 64), _round_up(inter, 64)
         w1 = torch.empty(E, 2 * i_pad, h_pad, dtype=weight_dtype, **meta)
@@ -295,8 +297,9 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     with ``pdl=True`` (programmatic dependent launch). ``fp8`` ("block", "channel" or "tensor"): fp8
     weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
     (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
-    ``weights`` ("mxfp4" or "int4"): prepared 4-bit weights (``fmoe2/quant4.py``; int4 with fp16 (scale, zero)
-    pairs, groups of :func:`packed_group`), dequantized in the kernels' operand loader.
+    ``weights`` ("mxfp4", "int4" or "int8"): prepared weight-only quantized weights (``fmoe2/formats.py``; int4
+    with fp16 (scale, zero) pairs, int8 with fp16 scales, groups of :func:`packed_group`), dequantized in the
+    kernels' operand loader.
     ``tuned_for``: the configs of that GPU's tuned files (``fmoe2/gemm/configs/<tuned_for>/``) where it has one
     for the shape, instead of the shipped default rules.
     ``tail_m``: two-stage configs (not fp8) with ``TAIL_M=tail_m`` where it is below their BLOCK_M (tail tiles).
@@ -321,10 +324,8 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     problem_shape = ConfigProblem(M, E, H, inter, topk, dtype)
 
     def resolve(path, lora=False):  # what fused_moe runs there (griddepcontrol needs sm_90; fp8 keeps pointer loads)
-        cfg = resolve_config(problem_shape, ConfigMode(lora, bool(fp8), deterministic), named, path=path,
-                             tuned_for=tuned_for)
-        if weights:
-            cfg = fit_packed_config(cfg, target.warp_size, lora)
+        cfg = resolve_config(problem_shape, ConfigMode(lora, bool(fp8), deterministic, weights or "16bit"), named,
+                             path=path, tuned_for=tuned_for)
         if tail_m and cfg.path == "two_stage" and not fp8 and tail_m < cfg.BLOCK_M:
             cfg = replace(cfg, TAIL_M=tail_m)
         return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8 and not weights,

@@ -74,9 +74,11 @@ def _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved, w1_scale=None,
     from .gemm.layout import PreparedMoEWeights, checked_weight_scales
 
     if isinstance(w1, PreparedMoEWeights):
-        # (4-bit weights come back dequantized, in float32: the kernels dequantize them exactly)
         s13, s2, scale_block = (w1.s13, w1.s2, w1.scale_block) if w1.fp8 else (None, None, None)
-        (w1, w2), (w1_bias, w2_bias) = w1.unprepare(), w1.unprepare_biases()
+        w1_bias, w2_bias = w1.unprepare_biases()
+        if w1.packed:  # (weight-only formats: dequantized exactly, in float32, one expert at a time)
+            return _DequantizedExperts(w1, 0), _DequantizedExperts(w1, 1), w1_bias, w2_bias, None
+        w1, w2 = w1.unprepare()
     else:
         s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)
         if gate_up_interleaved:  # rows g0, u0, g1, u1, ...
@@ -85,6 +87,25 @@ def _plain_weights(w1, w2, w1_bias, w2_bias, gate_up_interleaved, w1_scale=None,
                 w1_bias = torch.cat([w1_bias[:, 0::2], w1_bias[:, 1::2]], dim=1)
     fp8 = (s13, s2, scale_block) if s13 is not None else None
     return w1, w2, w1_bias, w2_bias, fp8
+
+
+class _DequantizedExperts:
+    """``w1 [E, 2I, H]`` (``which`` 0) or ``w2 [E, H, I]`` (1) of prepared weight-only quantized weights in the plain
+    layout, dequantized to float32 one expert at a time when indexed (a whole layer in float32 would not fit:
+    DeepSeek-V3's w1 takes 30 GB)."""
+
+    def __init__(self, prepared, which: int):
+        self.prepared, self.which = prepared, which
+        E, H, inter = prepared.num_experts, prepared.hidden_size, prepared.intermediate_size
+        self.shape = (E, 2 * inter, H) if which == 0 else (E, H, inter)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        from dataclasses import replace
+
+        p = self.prepared
+        one = replace(p, w13=p.w13[e:e + 1], w2=p.w2[e:e + 1], s13=p.s13[e:e + 1], s2=p.s2[e:e + 1], b13=None,
+                      b2=None)
+        return one.unprepare()[self.which][0]
 
 
 def _expert_weight(w, e, fp8, which, compute):

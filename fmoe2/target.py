@@ -35,6 +35,11 @@ class Target:
     device_index: Optional[int] = None  # the GPU launches run on (None: a named target or the interpreter)
 
     @property
+    def warp_size(self) -> int:
+        """Threads per warp: 64 on the CDNA GPUs fmoe2 targets on ROCm (gfx90a, gfx942, gfx950), else 32."""
+        return 64 if self.backend == "hip" else 32
+
+    @property
     def cuda_arch(self) -> Optional[int]:
         """Compute capability as 10 * major + minor on CUDA, else None."""
         return self.arch if self.backend == "cuda" and isinstance(self.arch, int) else None

@@ -16,10 +16,12 @@ PACKAGE = os.path.join(ROOT, "fmoe2")
 
 # Lowest first. A module's floor is that of the longest prefix of its dotted name listed here.
 FLOORS = [
-    # 0: facts and machinery every layer reads: the activation table, fp8 constants and quantization, the 4-bit
-    #    formats, argument checks, targets, launch binding and buffers, the deterministic switch, named shapes.
-    ("facts", ["fmoe2.activations", "fmoe2.fp8", "fmoe2.quant4", "fmoe2._validation", "fmoe2.target",
-               "fmoe2.launch", "fmoe2.buffers", "fmoe2.grid_dependency", "fmoe2.determinism", "fmoe2.shapes"]),
+    # 0: facts and machinery every layer reads: the activation table, the weight formats' registry, fp8 constants
+    #    and quantization, the 4-bit and int8 formats, argument checks, targets, launch binding and buffers, the
+    #    deterministic switch, named shapes.
+    ("facts", ["fmoe2.activations", "fmoe2.formats", "fmoe2.fp8", "fmoe2.quant4", "fmoe2.int8", "fmoe2._validation",
+               "fmoe2.target", "fmoe2.launch", "fmoe2.buffers", "fmoe2.grid_dependency", "fmoe2.determinism",
+               "fmoe2.shapes"]),
     # 1: routing -> expert-major tiles (its sort keys are read by the gemm kernels).
     ("sorting", ["fmoe2.sorting"]),
     # 2: weights' layouts, configs, kernels, launches, plans and the eager fused_moe.

@@ -88,18 +88,20 @@ def _fp8(path):
     return run
 
 
-def _four_bit(fmt):
+def _weight_only(fmt):
     def run():
-        from fmoe2 import quant4
+        from fmoe2 import int8, quant4
 
         x, w1, w2, tw, ti = make_problem(M, E, 64, 96, TOPK, torch.float32, device="cpu")
         if fmt == "mxfp4":
             (p1, s1), (p2, s2), zeros = quant4.quantize_mxfp4(w1), quant4.quantize_mxfp4(w2), {}
+        elif fmt == "int8":  # (per channel)
+            (p1, s1), (p2, s2), zeros = int8.quantize_int8(w1.half()), int8.quantize_int8(w2.half()), {}
         else:
             (p1, s1, z1), (p2, s2, z2) = quant4.quantize_int4(w1.half(), 32), quant4.quantize_int4(w2.half(), 32)
             zeros = dict(w1_zero=z1.to(DEVICE), w2_zero=z2.to(DEVICE))
         prepared = prepare_weights(p1.to(DEVICE), p2.to(DEVICE), w1_scale=s1.to(DEVICE), w2_scale=s2.to(DEVICE),
-                                   **zeros)
+                                   weight_format=fmt, **zeros)
         x = x.to(DEVICE, DTYPE)
         for config in (SMALL, TWO_STAGE):
             out = fused_moe(x, prepared, None, tw.to(DEVICE), ti.to(DEVICE), config=config,
@@ -155,10 +157,12 @@ SCENARIOS = {
                                           "_lora_shrink_kernel", "_lora_expand_kernel"}),
     "fp8_fused": (_fp8("fused"), {"_moe_sorting_kernel", "_fused_fp8_kernel"}),
     "fp8_two_stage": (_fp8("two_stage"), {"_moe_sorting_kernel", "_stage1_fp8_kernel", "_stage2_fp8_kernel"}),
-    "mxfp4": (_four_bit("mxfp4"), {"_moe_sorting_kernel", "_fused_kernel", "_cast_rows_kernel", "_stage1_kernel",
-                                   "_stage2_kernel"}),
-    "int4": (_four_bit("int4"), {"_moe_sorting_kernel", "_fused_kernel", "_cast_rows_kernel", "_stage1_kernel",
-                                 "_stage2_kernel"}),
+    "mxfp4": (_weight_only("mxfp4"), {"_moe_sorting_kernel", "_fused_kernel", "_cast_rows_kernel", "_stage1_kernel",
+                                      "_stage2_kernel"}),
+    "int4": (_weight_only("int4"), {"_moe_sorting_kernel", "_fused_kernel", "_cast_rows_kernel", "_stage1_kernel",
+                                    "_stage2_kernel"}),
+    "int8": (_weight_only("int8"), {"_moe_sorting_kernel", "_fused_kernel", "_cast_rows_kernel", "_stage1_kernel",
+                                    "_stage2_kernel"}),
     "chunked_sort": (_chunked_sort, {"_count_chunk_keys_kernel", "_moe_sorting_kernel"}),
 }
 

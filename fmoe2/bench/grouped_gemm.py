@@ -53,7 +53,7 @@ def _gathered_gemm_kernel(
     else:  # 16-bit B, or 4-bit B dequantized in the K loop (as vLLM's wna16 kernel does)
         bs_rows = None
         if b_group_scale_ptr is not None:
-            bs_expert, stride_bs_group_n = _expert_scales(b_group_scale_ptr, expert, stride_b_e, stride_b_n,
+            bs_expert, stride_bs_group_n = _expert_scales(b_ptr, b_group_scale_ptr, expert, stride_b_e, stride_b_n,
                                                           WEIGHT_GROUP)
             bs_rows = bs_expert + offs_n * stride_bs_group_n
         acc = _tile_gemm_16bit(a_ptr + a_row[:, None] * stride_a_m, None, 0, row_valid, b_ptr + expert * stride_b_e,

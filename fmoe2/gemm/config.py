@@ -33,6 +33,7 @@ from typing import Dict, Optional
 import torch
 import triton
 
+from ..formats import WEIGHT_FORMATS, weight_format
 from ..fp8 import FP8_GROUP
 from ..target import DEFAULT_SHARED_MEMORY, Target, current_backend, target_of
 from ..sorting import max_busy_tiles
@@ -541,6 +542,20 @@ class ConfigMode:
     lora: bool = False  # adapters passed (fused_moe(lora=...))
     fp8: bool = False  # fp8 weights, whatever their scale scheme (block, channel, expert): one config serves all
     deterministic: bool = False  # fused_moe(deterministic=True)
+    # The weights' format, a name of fmoe2.formats.WEIGHT_FORMATS: weight-only ones (mxfp4, int4, int8) take the
+    # 16-bit pick with its weight tiles fitted to dequantizing in registers (fit_packed_config); "fp8" is fp8=True
+    weight_format: str = "16bit"
+
+    def __post_init__(self):
+        fmt = weight_format(self.weight_format)
+        if fmt.quantizes_activations:
+            object.__setattr__(self, "fp8", True)
+        elif self.fp8 and fmt.name != "16bit":
+            raise ValueError(f"ConfigMode(fp8=True) is for fp8 weights, not {fmt.name!r}")
+
+    @property
+    def weight_only(self) -> bool:
+        return WEIGHT_FORMATS[self.weight_format].weight_only
 
 
 def resolve_config(problem: ConfigProblem, mode: ConfigMode, target: Target, config: Optional[FusedMoEConfig] = None,
@@ -558,7 +573,18 @@ def resolve_config(problem: ConfigProblem, mode: ConfigMode, target: Target, con
       :func:`fp8_prefers_two_stage`; then :func:`fit_fp8_config`.
     * deterministic: the two-stage path without K shares: :func:`_deterministic_pick`, or the caller's config as
       given (batch invariance is then the caller's choice); adapters fitted with their deltas in the stages.
+    * weight-only formats (``mode.weight_format``: mxfp4, int4, int8): any of the above, its weight tiles then
+      fitted to dequantizing in registers (:func:`fit_packed_config`, with the target's warp size).
     """
+    config = _resolve(problem, mode, target, config, path, tuned_for, config_dir)
+    if mode.weight_only:
+        config = fit_packed_config(config, target.warp_size, lora=mode.lora)
+    return config
+
+
+def _resolve(problem: ConfigProblem, mode: ConfigMode, target: Target, config: Optional[FusedMoEConfig], path: str,
+             tuned_for: Optional[str], config_dir: str) -> FusedMoEConfig:
+    """:func:`resolve_config` before a weight-only format's fit."""
     if mode.deterministic:
         if path not in ("auto", "two_stage"):
             raise ValueError(f"deterministic mode runs the two-stage kernels: path must be 'auto' or 'two_stage', "
@@ -719,6 +745,7 @@ def get_config(
     fp8: bool = False,
     cuda_arch: Optional[int] = None,
     tuned_for: Optional[str] = None,
+    weight_format: str = "16bit",
 ) -> FusedMoEConfig:
     """The config ``fused_moe`` runs for one problem (:func:`resolve_config`; the module docstring).
 
@@ -728,7 +755,8 @@ def get_config(
     :data:`fmoe2.target.NAMED_TARGETS` entry, as ``fmoe2.codegen`` does). ``path`` ("fused" or "two_stage")
     forces a path; the picked tiling is then refitted to it. ``tuned=False`` skips tuned files: the shipped
     defaults, as on a GPU without a tuned file for the shape. ``lora=True``: with adapters. ``fp8=True``: with fp8
-    weights (any scale scheme). ``deterministic=True``: deterministic mode (``cuda_arch``, e.g. 90, for a CUDA GPU
+    weights (any scale scheme). ``weight_format``: the weights' format (``fmoe2.formats.WEIGHT_FORMATS``; e.g.
+    ``"int8"``, or ``PreparedMoEWeights.weight_format``). ``deterministic=True``: deterministic mode (``cuda_arch``, e.g. 90, for a CUDA GPU
     that is not there). ``tuned_for``: the name of a GPU (``device_config_name``, e.g. ``"NVIDIA_H200"``) whose
     tuned files to read, also when ``backend``/``arch`` name a GPU that is not here (not in deterministic mode).
     """
@@ -744,5 +772,5 @@ def get_config(
     folder = None if foreign or not tuned else device_config_name(device)
     if tuned and tuned_for is not None and not deterministic:
         folder = tuned_for
-    return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(lora, fp8, deterministic), target,
-                          path=path, tuned_for=folder, config_dir=config_dir)
+    return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(lora, fp8, deterministic, weight_format),
+                          target, path=path, tuned_for=folder, config_dir=config_dir)

@@ -5,7 +5,7 @@ A weight format beyond 16-bit is one module like this one (the entry kernels com
 ``tiles.py``, ``activations.py``, ``epilogues.py`` and the 16-bit path's epilogues with the format's own loops),
 plus its scale layout and ``prepare_weights`` conversion (``fmoe2/fp8.py``, ``layout.py``), its config fit
 (``config.py``) and its reference (``fmoe2/reference.py``); ``launches.py`` registers it in
-``WEIGHT_FORMATS``.
+``FORMAT_ENTRIES``.
 
 * x comes quantized by the sort launch (per row and group of 128 along H, ``fmoe2/fp8.py``); BLOCK_K is one
   activation group, so each K step's product is scaled by the rows' activation scales and the weight rows'

@@ -21,11 +21,10 @@ from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_inference_only, check_
 from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..activations import ACTIVATION_TABLE, ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
+from ..formats import check_not_prepare_only, plain_format
 from ..fp8 import FP8_DTYPES
-from .. import quant4
 from .decode import one_launch_allowed
-from .config import (PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name, fit_packed_config,
-                     resolve_config)
+from .config import PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name, resolve_config
 from .launches import MoEProblem
 from .layout import PreparedMoEWeights, checked_weight_scales
 from .lora import MoELoRA, PreparedMoELoRA, prepare_lora
@@ -251,8 +250,8 @@ def check_fused_moe_args(*args, **keywords) -> MoEProblem:
 
 def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
     """Checks the weights bundle against ``hidden_states [M, H]`` of ``dtype``; returns ``(w1, w2, interleaved,
-    E, I, w1_bias, w2_bias, w1_scale, w2_scale, scale_block)`` as the kernels read them (prepared weights'
-    own tensors, scale views)."""
+    E, I, w1_bias, w2_bias, w1_scale, w2_scale, scale_block, weight_format)`` as the kernels read them (prepared
+    weights' own tensors, scale views; the format's name in ``fmoe2.formats.WEIGHT_FORMATS``)."""
     w1, w2, w1_bias, w2_bias = weights.w1, weights.w2, weights.w1_bias, weights.w2_bias
     w1_scale, w2_scale, block_shape = weights.w1_scale, weights.w2_scale, weights.block_shape
     gate_up_interleaved = weights.gate_up_interleaved
@@ -280,7 +279,7 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
         if (s13 is not None) != (w1.fp8 or w1.packed) or (s2 is None) != (s13 is None):
             raise ValueError(f"prepared weights of dtype {w1.dtype} {'must not have' if s13 is not None else 'lack'} "
                              f"scales (prepare fp8 and 4-bit weights with their w1_scale/w2_scale)")
-        per_byte = 2 if w1.packed else 1  # (4-bit weights: two K columns per byte)
+        per_byte = w1.format.values_per_element  # (4-bit weights: two K columns per byte)
         if (w1_t.shape[1] % 2 or w1_t.shape[1] < 2 * inter or per_byte * w1_t.shape[2] < H or w2_t.shape[0] != E
                 or w2_t.shape[1] < H or per_byte * w2_t.shape[2] < inter):
             raise ValueError(f"prepared weights are inconsistent with H={H}, I={inter}, E={E}: w13 "
@@ -296,8 +295,10 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
                 check_tensor(name, bias, dtypes=FLOAT_DTYPES if w1.packed else (dtype,), shape=shape,
                              shape_doc=f"{list(shape)} (padded like the weights)")
         w1_bias, w2_bias = w1.b13, w1.b2
+        weight_format = w1.weight_format
     else:
         # Any strides: transposed layouts (transformers' gpt-oss stores [E, H, 2I]) are read in place.
+        check_not_prepare_only("w1", w1)
         check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
         check_interpreter_dtype("w1", w1.dtype)
         if w1.dtype != dtype and w1.dtype not in FP8_DTYPES:
@@ -313,29 +314,28 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
         s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)
         check_bias_args(w1_bias, w2_bias, E, H, inter, dtype, prepared=False)
         w1_t, w2_t, interleaved = w1, w2, bool(gate_up_interleaved)
+        weight_format = plain_format(w1).name
     if E < 1 or inter < 1 or H < 1:
         raise ValueError(f"w1 must have E >= 1 experts and H, I >= 1, got E={E}, H={H}, I={inter}")
-    return w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block
+    return w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block, weight_format
 
 
 def check_packed_scales(w1: PreparedMoEWeights, E: int) -> None:
-    """Checks the group scales of prepared 4-bit weights against their packed weights (``fmoe2/quant4.py``)."""
-    group = w1.group_size
-    mxfp4 = w1.weight_format == "mxfp4"
-    allowed = (quant4.MXFP4_GROUP,) if mxfp4 else quant4.INT4_GROUPS
-    if group not in allowed:
-        raise ValueError(f"prepared {w1.weight_format} weights have group {group}; supported: {allowed}")
+    """Checks the group scales of prepared weight-only quantized weights (mxfp4, int4, int8) against their weights,
+    as the weights' format (``fmoe2/formats.py``) lays them out."""
+    fmt, group = w1.format, w1.group_size
+    fmt.check_group(group, "prepared weights")
+    entry = () if fmt.scale_entry == 1 else (fmt.scale_entry,)
+    what = {"mxfp4": "e8m0 scales", "int4": "(scale, zero) pairs", "int8": "scales"}[fmt.name]
     for name, w, scale in (("w1.s13", w1.w13, w1.s13), ("w1.s2", w1.w2, w1.s2)):
-        k_pad = 2 * w.shape[2]
+        k_pad = fmt.values_per_element * w.shape[2]
         if k_pad % group:
-            raise ValueError(f"prepared {w1.weight_format} weights' packed rows ({k_pad} columns) must hold whole "
-                             f"groups of {group} (fmoe2.prepare_weights pads them so)")
-        shape = (E, w.shape[1], k_pad // group) + (() if mxfp4 else (2,))
-        # (contiguous like the packed weights: the kernels derive the scales' strides from theirs)
-        check_tensor(name, scale, dtypes=(torch.uint8,) if mxfp4 else FLOAT_DTYPES, shape=shape,
-                     shape_doc=f"{list(shape)} ({'e8m0 scales' if mxfp4 else '(scale, zero) pairs'} of the packed "
-                               f"weights' groups of {group})")
-
+            raise ValueError(f"prepared {fmt.name} weights' rows ({k_pad} columns) must hold whole groups of "
+                             f"{group} (fmoe2.prepare_weights pads them so)")
+        shape = (E, w.shape[1], k_pad // group) + entry
+        # (contiguous like the weights: the kernels derive the scales' strides from theirs)
+        check_tensor(name, scale, dtypes=fmt.scale_dtypes, shape=shape,
+                     shape_doc=f"{list(shape)} ({what} of the weights' groups of {group})")
 
 
 def check_call(call: MoECall) -> MoEProblem:
@@ -347,7 +347,8 @@ def check_call(call: MoECall) -> MoEProblem:
     M, H = hidden_states.shape
     dtype = hidden_states.dtype
     check_interpreter_dtype("hidden_states", dtype)  # (bf16 math is wrong under Triton's interpreter)
-    w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block = check_weights(call.weights, H, dtype)
+    (w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block,
+     weight_format) = check_weights(call.weights, H, dtype)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, shape_doc=f"[M, topk] with M={M}")
     if topk_ids.shape[0] != M or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must have shape [M, topk] with M={M} and topk >= 1, got {tuple(topk_ids.shape)}")
@@ -393,7 +394,8 @@ def check_call(call: MoECall) -> MoEProblem:
         check_out_overlaps(out, token_lora_ids=token_lora_ids, **prepared_lora.tensors())
     routed = expert_map.numel() if expert_map is not None and expert_map.numel() > E else None
     return MoEProblem(hidden_states, w1_t, w2_t, interleaved, E, H, inter, topk, prepared_lora, token_lora_ids,
-                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit, s13, s2, scale_block, deterministic, routed)
+                      w1_bias, w2_bias, swiglu_alpha, swiglu_limit, s13, s2, scale_block, deterministic, routed,
+                      weight_format)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,13 +495,11 @@ def clear_plans() -> None:
 def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
     """The fitted config a forward of ``problem`` runs on ``target``: :func:`~fmoe2.gemm.config.resolve_config`'s
     (``config``: the caller's, or None), reading the tuned files of the GPU that holds ``problem``'s tensors."""
-    mode = ConfigMode(lora=problem.lora is not None, fp8=problem.fp8, deterministic=problem.deterministic)
+    mode = ConfigMode(lora=problem.lora is not None, fp8=problem.fp8, deterministic=problem.deterministic,
+                      weight_format=problem.weight_format)
     shape = ConfigProblem(problem.num_tokens, problem.routed_experts or problem.num_experts, problem.hidden_size,
                           problem.intermediate_size, problem.topk, problem.x.dtype)
-    config = resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
-    if problem.packed:  # (4-bit weights: the 16-bit pick, its weight tiles fitted to dequantizing in registers)
-        config = fit_packed_config(config, 64 if target.backend == "hip" else 32, lora=problem.lora is not None)
-    return config
+    return resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
 
 
 def plan_for(call: MoECall, problem: MoEProblem, out: torch.Tensor, bindable: bool) -> MoEPlan:

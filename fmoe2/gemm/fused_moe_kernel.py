@@ -91,7 +91,7 @@ def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expe
         x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
     s1_expert, stride_s1_n = None, 0
     if w1_scale_ptr is not None:
-        s1_expert, stride_s1_n = _expert_scales(w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
+        s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
     gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                  r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n, BLOCK_M,
                                  BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None, WEIGHT_GROUP)
@@ -115,7 +115,7 @@ def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_s
     w2_row0 = (expert * (stride_w2_e // stride_w2_h)).to(tl.int32)
     s2_expert, stride_s2_n = None, 0
     if w2_scale_ptr is not None:
-        s2_expert, stride_s2_n = _expert_scales(w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
+        s2_expert, stride_s2_n = _expert_scales(w2_ptr, w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
     _down_16bit(y, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                 y, offs_n, n_valid, w2_desc, w2_row0, slice_id * BLOCK_N, b2_expert,
                 tl.where(slice_id == 0, route_weight, 0.0), s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, True, False, None,
@@ -309,7 +309,7 @@ def _fused_lora_kernel(
         (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
     s1_expert, stride_s1_n = None, 0
     if w1_scale_ptr is not None:
-        s1_expert, stride_s1_n = _expert_scales(w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
+        s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
     if num_present == 0:  # run-time branch: tiles without adapters run the plain loops
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                      r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,
@@ -338,7 +338,8 @@ def _fused_lora_kernel(
             b2_expert = w2_bias_ptr + expert * stride_b2_e
         s2_expert, stride_s2_n = None, 0
         if w2_scale_ptr is not None:
-            s2_expert, stride_s2_n = _expert_scales(w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
+            s2_expert, stride_s2_n = _expert_scales(w2_ptr, w2_scale_ptr, expert, stride_w2_e, stride_w2_h,
+                                                    WEIGHT_GROUP)
         _lora_down(y, la2, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n,
                    n_valid, H, w2_desc, (expert * (stride_w2_e // stride_w2_h)).to(tl.int32), slice_id * BLOCK_N,
                    b2_expert, tl.where(slice_id == 0, route_weight, 0.0), lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
@@ -447,7 +448,7 @@ def _stage1_lora_kernel(
         x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
     s1_expert, stride_s1_n = None, 0
     if w1_scale_ptr is not None:
-        s1_expert, stride_s1_n = _expert_scales(w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
+        s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
     if lora_delta13_ptr is not None:
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                      r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,

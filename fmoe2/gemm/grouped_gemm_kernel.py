@@ -216,7 +216,7 @@ def _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc, b_desc, bias_ptr, row
     rows' down deltas and the bias, added (or stored) at the rows' ids."""
     bs_rows = None
     if b_scale_ptr is not None:  # (laid out like B's packed rows: operands._expert_scales)
-        bs_expert, stride_bs_n = _expert_scales(b_scale_ptr, expert, stride_b_e, stride_b_n, WEIGHT_GROUP)
+        bs_expert, stride_bs_n = _expert_scales(b_ptr, b_scale_ptr, expert, stride_b_e, stride_b_n, WEIGHT_GROUP)
         bs_rows = bs_expert + offs_n * stride_bs_n
     acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, first_row, row_valid,
                            b_ptr + expert * stride_b_e, offs_n, b_desc,

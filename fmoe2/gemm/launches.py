@@ -21,7 +21,8 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..fp8 import FP8_DTYPES, FP8_GROUP, fp8_constexprs
+from ..formats import WEIGHT_FORMATS, WeightFormat, format_of_prepared
+from ..fp8 import FP8_GROUP, fp8_constexprs
 from ..activations import SWIGLU_ALPHA
 from ..launch import LaunchSpec, kernel_parameters
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
@@ -31,7 +32,6 @@ from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
 from . import fp8_weights
 from .fused_moe_kernel import _fused_cast_kernel, _fused_kernel, _fused_lora_kernel, _stage1_kernel, _stage1_lora_kernel
 from .grouped_gemm_kernel import _stage2_kernel
-from .layout import weight_format_of
 from .lora import PreparedMoELoRA
 from .lora_kernel import _lora_expand_kernel, _lora_shrink_kernel
 
@@ -68,25 +68,32 @@ class MoEProblem:
     # M * topk / routed experts, the full model's tuned file): an expert-parallel slice does each local expert's
     # GEMMs as the full model does.
     routed_experts: Optional[int] = None
+    # The weights' format, a name of fmoe2.formats.WEIGHT_FORMATS (prepared weights state theirs); None: read off w1
+    # and w1_scale (fmoe2.formats.format_of_prepared)
+    weight_format: Optional[str] = None
+
+    def __post_init__(self):
+        if self.weight_format is None:
+            self.weight_format = format_of_prepared(self.w1, self.w1_scale).name
 
     @property
     def num_tokens(self) -> int:
         return self.x.shape[0]
 
     @property
+    def format(self) -> WeightFormat:
+        return WEIGHT_FORMATS[self.weight_format]
+
+    @property
     def fp8(self) -> bool:
-        return self.w1.dtype in FP8_DTYPES
+        """The format quantizes the activations too (fp8): it runs its own entries (:data:`FORMAT_ENTRIES`)."""
+        return self.format.quantizes_activations
 
     @property
     def packed(self) -> bool:
-        """Prepared 4-bit weights (mxfp4, int4): the 16-bit kernels dequantize them in their operand loader."""
-        return self.w1.dtype == torch.uint8
-
-    @property
-    def weight_format(self) -> str:
-        """``"16bit"`` (bf16/fp16/fp32), ``"mxfp4"``/``"int4"`` (:attr:`packed`, run by the 16-bit entries) or the
-        name of a format in :data:`WEIGHT_FORMATS` (its own entries)."""
-        return weight_format_of(self.w1, self.w1_scale)
+        """Prepared weight-only formats (mxfp4, int4, int8): the 16-bit kernels dequantize them in their operand
+        loader."""
+        return self.format.weight_only
 
 
 def grid_tiles(problem: MoEProblem, block_m: int) -> int:
@@ -318,9 +325,10 @@ _FUSED_ENTRIES = {("fused", False): _fused_kernel, ("fused_cast", False): _fused
                   ("decode", False): _fused_cast_kernel, ("fused", True): _fused_lora_kernel,
                   ("fused_cast", True): _fused_lora_kernel, ("stage1", False): _stage1_kernel,
                   ("stage1", True): _stage1_lora_kernel}
-# Weight formats beyond 16-bit, by MoEProblem.weight_format: each module's ENTRIES (launch name -> entry kernel),
-# fused_values and stage2_values give its launches (fp8_weights.py says what a format's module holds).
-WEIGHT_FORMATS = {"fp8": fp8_weights}
+# The entry modules of formats that quantize the activations too (fmoe2/formats.py), by MoEProblem.weight_format: each
+# module's ENTRIES (launch name -> entry kernel), fused_values and stage2_values give its launches (fp8_weights.py
+# says what such a module holds). Weight-only formats run the 16-bit entries.
+FORMAT_ENTRIES = {"fp8": fp8_weights}
 
 
 @functools.lru_cache(maxsize=None)
@@ -435,10 +443,10 @@ def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESort
         values.update(topk_weights_ptr=topk_weights, PDL=False)
     name = "decode" if route_from_topk else "fused" if workspace is None else "stage1"
     launch = "fused_cast" if name == "fused" and cast_to is not None else name
-    weight_format = WEIGHT_FORMATS.get(problem.weight_format)
-    if weight_format is not None:
-        kernel = weight_format.ENTRIES[launch]
-        values.update(weight_format.fused_values(problem, target, quantized_x))
+    entries = FORMAT_ENTRIES.get(problem.weight_format)
+    if entries is not None:
+        kernel = entries.ENTRIES[launch]
+        values.update(entries.fused_values(problem, target, quantized_x))
     else:
         kernel = _FUSED_ENTRIES[(launch, problem.lora is not None)]
     args, constexprs = entry_arguments(kernel, values)
@@ -551,10 +559,10 @@ def stage2_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESor
         stride_lb_r=None, LORA_SPLITS_PER_STEP=1, **lora_constexprs(None, 0, 0),
     )
     kernel = _stage2_kernel
-    weight_format = WEIGHT_FORMATS.get(problem.weight_format)
-    if weight_format is not None:
-        kernel = weight_format.ENTRIES["stage2"]
-        values.update(weight_format.stage2_values(problem, target, workspace))
+    entries = FORMAT_ENTRIES.get(problem.weight_format)
+    if entries is not None:
+        kernel = entries.ENTRIES["stage2"]
+        values.update(entries.stage2_values(problem, target, workspace))
     if lora is not None:
         shrink, b2 = workspace.lora_shrink2, lora.b2
         values.update(token_lora_ids_ptr=problem.token_lora_ids, lora_shrink_ptr=shrink, lora_b_ptr=b2,

@@ -36,8 +36,10 @@ import torch
 from einops import rearrange
 
 from .._validation import FLOAT_DTYPES, check_tensor
+from ..formats import (WEIGHT_FORMATS, WeightFormat, check_prepared_tensors, format_of_prepared, format_of_weights,
+                       weight_format)
 from ..fp8 import FP8_DTYPES, check_block_shape, to_e4m3fnuz, weight_scale_view
-from .. import quant4
+from .. import int8, quant4
 
 
 def _round_up(x: int, m: int) -> int:
@@ -60,24 +62,32 @@ class PreparedMoEWeights:
     s13: Optional[torch.Tensor] = None
     s2: Optional[torch.Tensor] = None
     scale_block: Optional[Tuple[int, int]] = None
+    # The format's name in fmoe2.formats.WEIGHT_FORMATS, stated by prepare_weights; None (weights rebuilt from their
+    # prepared tensors, e.g. by the torch.library op): read off those tensors. Checked against them either way.
+    weight_format: Optional[str] = None
+
+    def __post_init__(self):
+        if self.weight_format is None:
+            self.weight_format = format_of_prepared(self.w13, self.s13).name
+        check_prepared_tensors(weight_format(self.weight_format), self.w13, self.s13, self.scale_block)
 
     @property
-    def weight_format(self) -> str:
-        """``"16bit"``, ``"fp8"``, or a 4-bit format of ``fmoe2/quant4.py``: ``"mxfp4"`` (uint8 scales), ``"int4"``."""
-        return weight_format_of(self.w13, self.s13)
+    def format(self) -> WeightFormat:
+        """The weights' :class:`~fmoe2.formats.WeightFormat`."""
+        return WEIGHT_FORMATS[self.weight_format]
 
     @property
     def fp8(self) -> bool:
-        return self.weight_format == "fp8"
+        return self.format.quantizes_activations
 
     @property
     def packed(self) -> bool:
-        """4-bit weights, two values per byte along K."""
-        return self.weight_format in quant4.PACKED_FORMATS
+        """Weight-only quantized weights (mxfp4, int4, int8), dequantized in the 16-bit kernels' operand loader."""
+        return self.format.weight_only
 
     @property
     def group_size(self) -> Optional[int]:
-        """K columns per scale of 4-bit weights (None otherwise)."""
+        """K columns per scale of weight-only formats (None otherwise)."""
         return self.scale_block[1] if self.packed and self.scale_block is not None else None
 
     @property
@@ -104,14 +114,15 @@ class PreparedMoEWeights:
         return w1, w2[:, :H, :inter].contiguous()
 
     def dequantized(self, dtype: torch.dtype = torch.float32):
-        """``(w13, w2)`` of 4-bit weights dequantized to ``dtype``, in the prepared (interleaved, padded) layout."""
+        """``(w13, w2)`` of weight-only quantized weights dequantized to ``dtype``, in the prepared (interleaved, padded) layout."""
+        pairs = ((self.w13, self.s13), (self.w2, self.s2))
         if self.weight_format == "mxfp4":
-            return (quant4.dequantize_mxfp4(self.w13, self.s13, dtype), quant4.dequantize_mxfp4(self.w2, self.s2, dtype))
+            return tuple(quant4.dequantize_mxfp4(w, s, dtype) for w, s in pairs)
         if self.weight_format == "int4":
-            group = self.group_size
-            return tuple(quant4.dequantize_int4(w, s[..., 0], s[..., 1], group, dtype)
-                         for w, s in ((self.w13, self.s13), (self.w2, self.s2)))
-        raise ValueError(f"dequantized() is for 4-bit weights; these are {self.weight_format}")
+            return tuple(quant4.dequantize_int4(w, s[..., 0], s[..., 1], self.group_size, dtype) for w, s in pairs)
+        if self.weight_format == "int8":
+            return tuple(int8.dequantize_int8(w, s, self.group_size, dtype) for w, s in pairs)
+        raise ValueError(f"dequantized() is for weight-only formats; these are {self.weight_format}")
 
     def unprepare_biases(self):
         """Returns ``(w1_bias [E, 2I] gate then up, w2_bias [E, H])`` (None where there is none)."""
@@ -122,19 +133,12 @@ class PreparedMoEWeights:
         return b1, self.b2[:, :H].contiguous() if self.b2 is not None else None
 
 
-def weight_format_of(w: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
-    """The format of weights ``w`` with ``scale`` (see :attr:`PreparedMoEWeights.weight_format`)."""
-    if w.dtype == torch.uint8:
-        return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "int4"
-    return "fp8" if w.dtype in FP8_DTYPES else "16bit"
-
-
 def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_bias: Optional[torch.Tensor] = None,
                     w2_bias: Optional[torch.Tensor] = None, gate_up_interleaved: bool = False,
                     w1_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
                     block_shape: Optional[Tuple[int, int]] = None,
                     fp8_dtype: Optional[torch.dtype] = None, w1_zero: Optional[torch.Tensor] = None,
-                    w2_zero: Optional[torch.Tensor] = None) -> PreparedMoEWeights:
+                    w2_zero: Optional[torch.Tensor] = None, weight_format: Optional[str] = None) -> PreparedMoEWeights:
     """Converts plain ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` (any strides) to the prepared layout.
 
     ``w1_bias [E, 2I]`` and ``w2_bias [E, H]``: optional biases, ``w1_bias`` in ``w1``'s row order.
@@ -160,6 +164,14 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
 
     H and I must be multiples of the group. Biases of 4-bit weights may be in any float dtype (gpt-oss keeps
     float32 ones); they are added in float32.
+
+    int8 weights (w8a16, ``fmoe2/int8.py``): ``w1 [E, 2I, H]`` and ``w2 [E, H, I]`` int8, symmetric, with scales per
+    output channel (``w1_scale [E, 2I]``, ``w2_scale [E, H]``: vLLM's int8_w8a16) or per group of G = 32, 64 or 128
+    columns (``[E, 2I, H // G]``, ``[E, H, I // G]``; H and I multiples of G), fp16/bf16/fp32; biases as 4-bit ones.
+
+    ``weight_format``: the weights' format, a name of :data:`fmoe2.formats.WEIGHT_FORMATS` (``"16bit"``, ``"fp8"``,
+    ``"mxfp4"``, ``"int4"``, ``"int8"``). None: the one the weights' dtype stores; uint8 weights hold mxfp4 or int4,
+    so for them it must be given (it is never guessed from the scales).
     """
     if isinstance(pad_to, bool) or not isinstance(pad_to, int):
         raise TypeError(f"pad_to must be a positive int (the padded sizes' multiple), got {pad_to!r}")
@@ -168,9 +180,13 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     if not isinstance(gate_up_interleaved, bool):
         raise TypeError(f"gate_up_interleaved must be a bool (True: w1's rows are g0, u0, g1, u1, ...), got "
                         f"{gate_up_interleaved!r}")
-    if any(isinstance(w, torch.Tensor) and w.dtype == torch.uint8 for w in (w1, w2)):
-        return _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_scale, w2_scale, w1_zero,
-                               w2_zero, block_shape, fp8_dtype)
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    fmt = format_of_weights(w1, weight_format, "w1")
+    if fmt.weight_only:
+        return _prepare_weight_only(fmt, w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_scale, w2_scale,
+                                    w1_zero, w2_zero, block_shape, fp8_dtype)
     if w1_zero is not None or w2_zero is not None:
         raise ValueError(f"w1_zero/w2_zero go with int4 weights (uint8, packed); w1 is {w1.dtype}")
     check_tensor("w1", w1, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES, shape_doc="[E, 2I, H]", contiguous=False)
@@ -184,7 +200,7 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
         raise ValueError(f"w2 is on {w2.device} but w1 is on {w1.device}")
     if pad_to < 1:
         raise ValueError(f"pad_to must be >= 1, got {pad_to}")
-    fp8 = w1.dtype in FP8_DTYPES
+    fp8 = fmt.quantizes_activations
     s13, s2, scale_block = checked_weight_scales(w1, w2, w1_scale, w2_scale, block_shape, gate_up_interleaved)
     if fp8:
         w1, w2, s13, s2 = _to_fp8_dtype(w1, w2, s13, s2, fp8_dtype)
@@ -202,7 +218,7 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
     return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2,
                               s13=s13.contiguous() if fp8 else None, s2=s2.contiguous() if fp8 else None,
-                              scale_block=scale_block)
+                              scale_block=scale_block, weight_format=fmt.name)
 
 
 def _interleaved_rows(t: torch.Tensor, i_pad: int, k_pad: int, gate_up_interleaved: bool) -> torch.Tensor:
@@ -274,89 +290,97 @@ def checked_weight_scales(w1: torch.Tensor, w2: torch.Tensor, w1_scale, w2_scale
     return s13, s2, (bn, bk)
 
 
-def _prepare_packed(w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_scale, w2_scale, w1_zero, w2_zero,
-                    block_shape, fp8_dtype) -> PreparedMoEWeights:
-    """:func:`prepare_weights` of 4-bit weights (its docstring): checks the packing, the scales' shapes and dtypes,
-    then interleaves and pads rows as for 16-bit weights and pads K to a multiple of the group."""
+def _prepare_weight_only(fmt: WeightFormat, w1, w2, pad_to, w1_bias, w2_bias, gate_up_interleaved, w1_scale,
+                         w2_scale, w1_zero, w2_zero, block_shape, fp8_dtype) -> PreparedMoEWeights:
+    """:func:`prepare_weights` of weight-only formats (mxfp4, int4, int8; its docstring): checks the packing, the
+    scales' shapes and dtypes, then interleaves and pads rows as for 16-bit weights and pads K to whole groups."""
+    name = fmt.name
+    per = fmt.values_per_element
     if block_shape is not None or fp8_dtype is not None:
-        raise ValueError("block_shape and fp8_dtype go with fp8 weights, not with 4-bit (uint8) weights")
-    for name, w in (("w1", w1), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8:
-            raise TypeError(f"4-bit weights are uint8 (two values per byte): {name} is "
-                            f"{getattr(w, 'dtype', type(w).__name__)}")
-    # transformers' mxfp4 blocks [E, N, K // 32, 16]: the same bytes as [E, N, K // 2]
-    w1 = w1.flatten(2) if w1.dim() == 4 else w1
-    w2 = w2.flatten(2) if w2.dim() == 4 else w2
-    check_tensor("w1", w1, ndim=3, shape_doc="[E, 2I, H // 2] (uint8, two values per byte)", contiguous=False)
-    E, two_i, h_half = w1.shape
+        raise ValueError(f"block_shape and fp8_dtype go with fp8 weights, not with {name} weights")
+    for what, w in (("w1", w1), ("w2", w2)):
+        if w.dtype not in fmt.weight_dtypes:
+            raise TypeError(f"{name} weights are {fmt.weight_dtypes[0]}: {what} is {w.dtype}")
+    if name == "mxfp4":  # transformers' mxfp4 blocks [E, N, K // 32, 16]: the same bytes as [E, N, K // 2]
+        w1 = w1.flatten(2) if w1.dim() == 4 else w1
+        w2 = w2.flatten(2) if w2.dim() == 4 else w2
+    stored = " // 2" if per == 2 else ""
+    check_tensor("w1", w1, ndim=3, shape_doc=f"[E, 2I, H{stored}] ({fmt.weight_dtypes[0]})", contiguous=False)
+    E, two_i, h_stored = w1.shape
     if two_i % 2:
-        raise ValueError(f"w1 must have shape [E, 2I, H // 2] (gate and up rows), got {tuple(w1.shape)}")
-    H, inter = 2 * h_half, two_i // 2
-    check_tensor("w2", w2, shape=(E, H, None), shape_doc=f"[E, H, I // 2] = [{E}, {H}, I // 2]", contiguous=False)
-    if 2 * w2.shape[2] != inter:
-        raise ValueError(f"w2 must have shape [E, H, I // 2] = {[E, H, inter // 2]} (I = {inter} from w1's rows), "
-                         f"got {tuple(w2.shape)}")
-    for name, t in (("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale), ("w1_zero", w1_zero),
+        raise ValueError(f"w1 must have shape [E, 2I, H{stored}] (gate and up rows), got {tuple(w1.shape)}")
+    H, inter = per * h_stored, two_i // 2
+    check_tensor("w2", w2, shape=(E, H, None), shape_doc=f"[E, H, I{stored}] = [{E}, {H}, I{stored}]",
+                 contiguous=False)
+    if per * w2.shape[2] != inter:
+        raise ValueError(f"w2 must have shape [E, H, I{stored}] = {[E, H, inter // per]} (I = {inter} from w1's "
+                         f"rows), got {tuple(w2.shape)}")
+    for what, t in (("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale), ("w1_zero", w1_zero),
                     ("w2_zero", w2_zero), ("w1_bias", w1_bias), ("w2_bias", w2_bias)):
         if isinstance(t, torch.Tensor) and t.device != w1.device:
-            raise ValueError(f"{name} is on {t.device} but w1 is on {w1.device}")
+            raise ValueError(f"{what} is on {t.device} but w1 is on {w1.device}")
     if w1_scale is None or w2_scale is None:
-        raise ValueError("4-bit weights need their group scales: w1_scale and w2_scale (mxfp4: uint8 e8m0 [E, N, "
-                         "K // 32]; int4: float [E, N, K // group])")
-    check_tensor("w1_scale", w1_scale, ndim=3, shape=(E, two_i, None), shape_doc=f"[E, 2I, H // group] = "
-                 f"[{E}, {two_i}, {H} // group]", contiguous=False)
-    mxfp4 = w1_scale.dtype == torch.uint8
-    if mxfp4:
-        group = quant4.MXFP4_GROUP
-        if w1_zero is not None or w2_zero is not None:
-            raise ValueError("mxfp4 weights have no zero points: w1_zero/w2_zero go with int4 weights")
-        scale_dtypes = (torch.uint8,)
+        raise ValueError(f"{name} weights need their scales: w1_scale and w2_scale (mxfp4: uint8 e8m0 [E, N, "
+                         f"K // 32]; int4: float [E, N, K // group]; int8: float [E, N] or [E, N, K // group])")
+    if name != "int4" and (w1_zero is not None or w2_zero is not None):
+        raise ValueError(f"{name} weights have no zero points: w1_zero/w2_zero go with int4 weights")
+    for what, scale in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+        check_tensor(what, scale, dtypes=fmt.scale_dtypes, contiguous=False)
+    per_channel = name == "int8" and w1_scale.dim() == 2
+    if per_channel:  # (repeated over groups of int8.CHANNEL_GROUP columns: the kernels read one layout)
+        group = int8.CHANNEL_GROUP
+        check_tensor("w1_scale", w1_scale, shape=(E, two_i), shape_doc=f"[E, 2I] = {[E, two_i]} (per channel)",
+                     contiguous=False)
+        check_tensor("w2_scale", w2_scale, dtypes=(w1_scale.dtype,), shape=(E, H),
+                     shape_doc=f"[E, H] = {[E, H]} (per channel, like w1_scale)", contiguous=False)
     else:
-        check_tensor("w1_scale", w1_scale, dtypes=FLOAT_DTYPES + (torch.uint8,), contiguous=False)
-        if w1_scale.shape[2] < 1 or H % w1_scale.shape[2] or H // w1_scale.shape[2] not in quant4.INT4_GROUPS:
-            raise ValueError(f"w1_scale [E, 2I, H // group] has {w1_scale.shape[2]} groups for H={H}: int4 groups "
-                             f"are {quant4.INT4_GROUPS} columns")
-        group = H // w1_scale.shape[2]
-        scale_dtypes = (w1_scale.dtype,)
-    for name, k in (("H", H), ("I", inter)):
-        if k % group:
-            raise ValueError(f"{'mxfp4' if mxfp4 else 'int4'} weights need {name} a multiple of the group "
-                             f"({group}), got {name}={k}")
-    check_tensor("w1_scale", w1_scale, dtypes=scale_dtypes, shape=(E, two_i, H // group),
-                 shape_doc=f"[E, 2I, H // {group}] = {[E, two_i, H // group]}", contiguous=False)
-    check_tensor("w2_scale", w2_scale, dtypes=scale_dtypes, shape=(E, H, inter // group),
-                 shape_doc=f"[E, H, I // {group}] = {[E, H, inter // group]} (the dtype of w1_scale)", contiguous=False)
-    zeros = [w1_zero, w2_zero]
-    if not mxfp4:
-        if (w1_zero is None) != (w2_zero is None):
-            raise ValueError("w1_zero and w2_zero go together (both None: symmetric int4, zero 8)")
-        for i, (name, z, scale) in enumerate((("w1_zero", w1_zero, w1_scale), ("w2_zero", w2_zero, w2_scale))):
-            if z is None:
-                zeros[i] = torch.full(scale.shape, quant4.INT4_SYMMETRIC_ZERO, dtype=scale.dtype, device=scale.device)
-                continue
-            check_tensor(name, z, shape=tuple(scale.shape), shape_doc=f"{list(scale.shape)} like its scale",
-                         contiguous=False)
-            if z.is_floating_point() and not torch.equal(z, z.round()):
-                raise ValueError(f"{name} must hold integer zero points")
-            if z.numel() and (int(z.min()) < 0 or int(z.max()) > 16):
-                raise ValueError(f"{name} must hold zero points in [0, 16], got [{int(z.min())}, {int(z.max())}]")
-    for name, bias, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
+        check_tensor("w1_scale", w1_scale, ndim=3, shape=(E, two_i, None), shape_doc=f"[E, 2I, H // group] = "
+                     f"[{E}, {two_i}, {H} // group]", contiguous=False)
+        groups = w1_scale.shape[2]
+        if groups < 1 or H % groups or H // groups not in fmt.groups:
+            raise ValueError(f"w1_scale [E, 2I, H // group] has {groups} groups for H={H}: {name} groups are "
+                             f"{fmt.groups} columns")
+        group = H // groups
+        for what, k in (("H", H), ("I", inter)):
+            if k % group:
+                raise ValueError(f"{name} weights need {what} a multiple of the group ({group}), got {what}={k}")
+        check_tensor("w2_scale", w2_scale, dtypes=(w1_scale.dtype,), shape=(E, H, inter // group),
+                     shape_doc=f"[E, H, I // {group}] = {[E, H, inter // group]} (the dtype of w1_scale)",
+                     contiguous=False)
+    s13, s2 = w1_scale, w2_scale
+    if name == "int4":  # (scale, zero) side by side, in the scales' dtype
+        s13, s2 = (torch.stack([s, z.to(s.dtype)], dim=-1) for s, z in
+                   zip((w1_scale, w2_scale), _int4_zeros(w1_scale, w2_scale, w1_zero, w2_zero)))
+    for what, bias, shape in (("w1_bias", w1_bias, (E, two_i)), ("w2_bias", w2_bias, (E, H))):
         if bias is not None:
-            check_tensor(name, bias, dtypes=FLOAT_DTYPES, shape=shape, shape_doc=f"{list(shape)}", contiguous=False)
-    if pad_to < 1:
-        raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+            check_tensor(what, bias, dtypes=FLOAT_DTYPES, shape=shape, shape_doc=f"{list(shape)}", contiguous=False)
     k_multiple = pad_to * group // math.gcd(pad_to, group)
     h_pad, i_pad = _round_up(H, k_multiple), _round_up(inter, k_multiple)
-
-    if mxfp4:
-        s13, s2 = w1_scale, w2_scale
-    else:  # (scale, zero) side by side, in the scales' dtype
-        s13 = torch.stack([w1_scale, zeros[0].to(w1_scale.dtype)], dim=-1)
-        s2 = torch.stack([w2_scale, zeros[1].to(w2_scale.dtype)], dim=-1)
-    w13 = _interleaved_rows(w1, i_pad, h_pad // 2, gate_up_interleaved)
+    if per_channel:
+        s13, s2 = int8.channel_scales_as_groups(s13, H, group), int8.channel_scales_as_groups(s2, inter, group)
+    w13 = _interleaved_rows(w1, i_pad, h_pad // per, gate_up_interleaved)
     s13 = _interleaved_rows(s13, i_pad, h_pad // group, gate_up_interleaved)
-    w2p = _padded(w2, h_pad, i_pad // 2)
+    w2p = _padded(w2, h_pad, i_pad // per)
     s2 = _padded(s2, h_pad, i_pad // group)
     b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
     return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2, s13=s13,
-                              s2=s2, scale_block=(1, group))
+                              s2=s2, scale_block=(1, group), weight_format=name)
+
+
+def _int4_zeros(w1_scale, w2_scale, w1_zero, w2_zero):
+    """int4's zero points of both weights, checked (None: symmetric, :data:`quant4.INT4_SYMMETRIC_ZERO`)."""
+    if (w1_zero is None) != (w2_zero is None):
+        raise ValueError("w1_zero and w2_zero go together (both None: symmetric int4, zero 8)")
+    zeros = []
+    for name, z, scale in (("w1_zero", w1_zero, w1_scale), ("w2_zero", w2_zero, w2_scale)):
+        if z is None:
+            zeros.append(torch.full(scale.shape, quant4.INT4_SYMMETRIC_ZERO, dtype=scale.dtype, device=scale.device))
+            continue
+        check_tensor(name, z, shape=tuple(scale.shape), shape_doc=f"{list(scale.shape)} like its scale",
+                     contiguous=False)
+        if z.is_floating_point() and not torch.equal(z, z.round()):
+            raise ValueError(f"{name} must hold integer zero points")
+        if z.numel() and (int(z.min()) < 0 or int(z.max()) > 16):
+            raise ValueError(f"{name} must hold zero points in [0, 16], got [{int(z.min())}, {int(z.max())}]")
+        zeros.append(z)
+    return zeros

@@ -22,7 +22,9 @@ from .lora_kernel import _shrink_step
 
 
 # ---------------------------------------------------------------------------------------------
-# 4-bit weights (fmoe2/quant4.py): the operand loader that dequantizes them into the 16-bit loops
+# Weight-only formats (fmoe2/formats.py: mxfp4, int4, int8): the operand loader that dequantizes them into the
+# 16-bit loops. A format is told apart by its prepared tensors' element types (constexprs): mxfp4 uint8 weights
+# with uint8 e8m0 scales, int4 uint8 weights with (scale, zero) float pairs, int8 int8 weights with float scales.
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -42,84 +44,99 @@ def _uint4_values(code):
 
 @triton.jit
 def _packed_weight_load(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """``(packed, scales)``: the raw bytes [ROWS, BLOCK_K // 2] and group scales of a 4-bit weight tile at columns
-    ``[k0, k0 + BLOCK_K)`` (``k0`` a multiple of BLOCK_K), for :func:`_packed_weight_dequant`. ``w_rows``: [ROWS, 1]
-    pointers to the rows' packed bytes (two columns per byte, the even one in the low nibble), ``row_bytes`` long
-    (the prepared row: zero past the logical K, whole groups); ``s_rows``: [ROWS] pointers to the rows' scales,
-    uint8 e8m0 (mxfp4) or (scale, zero) pairs (int4), one per GROUP columns. Bytes past the row, and invalid rows,
-    load as zero bytes and scales (a tile wholly past the row: all zero, so the loops may load the next step's tile
-    ahead: Triton's pipeliner does not stage a load whose value is converted before the dot, and a load waited
-    for at every step left the 4-bit forward latency-bound). The mask is by whole bytes of a row whose length is a
-    multiple of 16 (the JIT's hint): the loads stay vectorised (masking by the logical K made them byte loads)."""
+    """``(packed, scales)``: the raw values [ROWS, BLOCK_K // per element] and group scales of a weight-only
+    quantized tile at columns ``[k0, k0 + BLOCK_K)`` (``k0`` a multiple of BLOCK_K), for
+    :func:`_packed_weight_dequant`. ``w_rows``: [ROWS, 1] pointers to the rows' stored values (4-bit: two columns
+    per byte, the even one in the low nibble; int8: one per byte), ``row_bytes`` long (the prepared row: zero past
+    the logical K, whole groups); ``s_rows``: [ROWS] pointers to the rows' scales, uint8 e8m0 (mxfp4), (scale,
+    zero) pairs (int4) or floats (int8), one per GROUP columns. Bytes past the row, and invalid rows, load as zero
+    bytes and scales (a tile wholly past the row: all zero, so the loops may load the next step's tile ahead:
+    Triton's pipeliner does not stage a load whose value is converted before the dot, and a load waited for at
+    every step left the 4-bit forward latency-bound). The mask is by whole bytes of a row whose length is a multiple
+    of 16 (the JIT's hint): the loads stay vectorised (masking by the logical K made them byte loads)."""
     ROWS: tl.constexpr = rows_valid.shape[0]
-    MXFP4: tl.constexpr = s_rows.dtype.element_ty == tl.uint8
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    PER_BYTE: tl.constexpr = 1 if w_rows.dtype.element_ty == tl.int8 else 2
+    PAIRS: tl.constexpr = PER_BYTE == 2 and s_rows.dtype.element_ty != tl.uint8  # int4's (scale, zero)
+    kb = k0 // PER_BYTE + tl.arange(0, BLOCK_K // PER_BYTE)
     packed = tl.load(w_rows + kb[None, :], mask=rows_valid[:, None] & (kb < row_bytes)[None, :], other=0)
     if BLOCK_K >= GROUP:  # BLOCK_K // GROUP groups per step
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        g_mask = rows_valid[:, None] & (g < row_bytes * 2 // GROUP)[None, :]
-        if MXFP4:
-            scales = tl.load(s_rows[:, None] + g[None, :], mask=g_mask, other=0)
-        else:
+        g_mask = rows_valid[:, None] & (g < row_bytes * PER_BYTE // GROUP)[None, :]
+        if PAIRS:
             scales = tl.load(s_rows[:, None, None] + (2 * g)[None, :, None] + tl.arange(0, 2)[None, None, :],
                              mask=g_mask[:, :, None], other=0.0)
+        else:
+            scales = tl.load(s_rows[:, None] + g[None, :], mask=g_mask, other=0)
     else:  # one group over several steps
         g = k0 // GROUP
-        g_mask = rows_valid & ((tl.zeros([ROWS], dtype=tl.int32) + k0) < 2 * row_bytes)
-        if MXFP4:
-            scales = tl.load(s_rows + g, mask=g_mask, other=0)
-        else:
+        g_mask = rows_valid & ((tl.zeros([ROWS], dtype=tl.int32) + k0) < PER_BYTE * row_bytes)
+        if PAIRS:
             scales = tl.load(s_rows[:, None] + 2 * g + tl.arange(0, 2)[None, :], mask=g_mask[:, None], other=0.0)
+        else:
+            scales = tl.load(s_rows + g, mask=g_mask, other=0)
     return packed, scales
+
+
+@triton.jit
+def _scaled_by_group(w, scales, MXFP4: tl.constexpr, INT8: tl.constexpr):
+    """``w`` (float32 values, a group's columns on the last axis) times its group's scale: mxfp4 ``2**(s - 127)``
+    (the scale 0 reads as 0), int8 ``scale``, int4 ``(w - zero) * scale``; ``scales`` one axis fewer than ``w`` (a
+    trailing pair axis more for int4)."""
+    if MXFP4:
+        w = w * tl.expand_dims((scales.to(tl.int32) << 23).to(tl.float32, bitcast=True), -1)
+    elif INT8:
+        w = w * tl.expand_dims(scales.to(tl.float32), -1)
+    else:
+        scale, zero = tl.split(scales.to(tl.float32))
+        w = (w - tl.expand_dims(zero, -1)) * tl.expand_dims(scale, -1)
+    return w
 
 
 @triton.jit
 def _packed_weight_dequant(packed, scales, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):
     """The [ROWS, BLOCK_K] tile in ``dtype`` of :func:`_packed_weight_load`'s ``(packed, scales)``: mxfp4 ``e2m1 *
-    2**(s - 127)`` (the scale 0 reads as 0), int4 ``(q - zero) * scale``, exact in float32, then rounded to
-    ``dtype`` (mxfp4 values are exact in bf16 within its range; int4 ones and fp16 need the rounding)."""
+    2**(s - 127)``, int4 ``(q - zero) * scale``, int8 ``q * scale``, exact in float32 (int8 and int4 for 16-bit
+    scales), then rounded to ``dtype`` (mxfp4 values are exact in bf16 within its range; the others and fp16 need
+    the rounding)."""
     ROWS: tl.constexpr = packed.shape[0]
+    INT8: tl.constexpr = packed.dtype == tl.int8
     MXFP4: tl.constexpr = scales.dtype == tl.uint8
-    packed = packed.to(tl.int32)
-    if MXFP4:
-        w = tl.join(_e2m1_values(packed & 15), _e2m1_values(packed >> 4))
+    if INT8:
+        w = packed.to(tl.float32)
     else:
-        w = tl.join(_uint4_values(packed & 15), _uint4_values(packed >> 4))
-    w = tl.reshape(w, [ROWS, BLOCK_K])  # (column 2j from the low nibble, 2j + 1 from the high one)
+        packed = packed.to(tl.int32)
+        if MXFP4:
+            w = tl.join(_e2m1_values(packed & 15), _e2m1_values(packed >> 4))
+        else:
+            w = tl.join(_uint4_values(packed & 15), _uint4_values(packed >> 4))
+        w = tl.reshape(w, [ROWS, BLOCK_K])  # (column 2j from the low nibble, 2j + 1 from the high one)
     if BLOCK_K >= GROUP:
-        w = tl.reshape(w, [ROWS, BLOCK_K // GROUP, GROUP])
-        if MXFP4:
-            w = w * (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]
-        else:
-            scale, zero = tl.split(scales.to(tl.float32))
-            w = (w - zero[:, :, None]) * scale[:, :, None]
-        w = tl.reshape(w, [ROWS, BLOCK_K])
+        w = tl.reshape(_scaled_by_group(tl.reshape(w, [ROWS, BLOCK_K // GROUP, GROUP]), scales, MXFP4, INT8),
+                       [ROWS, BLOCK_K])
     else:
-        if MXFP4:
-            w = w * (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, None]
-        else:
-            scale, zero = tl.split(scales.to(tl.float32))
-            w = (w - zero[:, None]) * scale[:, None]
+        w = _scaled_by_group(w, scales, MXFP4, INT8)
     return w.to(dtype)
 
 
 @triton.jit
 def _packed_dot(a, packed, scales, acc, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """``acc + a @ W^T`` of a 4-bit weight tile ``W`` given as :func:`_packed_weight_load`'s ``(packed, scales)``,
-    dequantized by :func:`_packed_weight_dequant`. (``tl.dot_scaled`` of bf16 x e2m1 was tried for mxfp4: on an
-    H200 with Triton 3.6 it gave relative errors of 1.5 at some tilings, so it is not used: docs/quant4.md.)"""
+    """``acc + a @ W^T`` of a weight-only quantized tile ``W`` given as :func:`_packed_weight_load`'s ``(packed,
+    scales)``, dequantized by :func:`_packed_weight_dequant`. (``tl.dot_scaled`` of bf16 x e2m1 was tried for
+    mxfp4: on an H200 with Triton 3.6 it gave relative errors of 1.5 at some tilings, so it is not used:
+    docs/quant4.md.)"""
     return tl.dot(a, tl.trans(_packed_weight_dequant(packed, scales, BLOCK_K, GROUP, a.dtype)), acc,
                   input_precision="ieee")
 
 
 @triton.jit
-def _expert_scales(scale_ptr, expert, stride_w_e, stride_w_n, WEIGHT_GROUP: tl.constexpr):
-    """``(scales, stride_s_n)``: the expert's group scales of prepared 4-bit weights (``scale_ptr`` not None) and
-    their row stride, from the packed weights' strides (the scales are laid out like the packed rows, contiguous:
-    ``fused_moe.check_packed_scales``). Callers keep None for 16-bit weights (a tuple holding None does not
-    compile)."""
-    PER_GROUP: tl.constexpr = 1 if scale_ptr.dtype.element_ty == tl.uint8 else 2  # e8m0, or (scale, zero)
-    stride_s_n = stride_w_n * 2 // WEIGHT_GROUP * PER_GROUP
+def _expert_scales(w_ptr, scale_ptr, expert, stride_w_e, stride_w_n, WEIGHT_GROUP: tl.constexpr):
+    """``(scales, stride_s_n)``: the expert's group scales of prepared weight-only quantized weights ``w_ptr``
+    (``scale_ptr`` not None) and their row stride, from the weights' strides (the scales are laid out like the
+    weights' rows, contiguous: ``fused_moe.check_packed_scales``). Callers keep None for 16-bit weights (a tuple
+    holding None does not compile)."""
+    PER_BYTE: tl.constexpr = 1 if w_ptr.dtype.element_ty == tl.int8 else 2
+    PER_GROUP: tl.constexpr = 2 if PER_BYTE == 2 and scale_ptr.dtype.element_ty != tl.uint8 else 1  # int4: pairs
+    stride_s_n = stride_w_n * PER_BYTE // WEIGHT_GROUP * PER_GROUP
     return scale_ptr + expert * (stride_w_e // stride_w_n * stride_s_n), stride_s_n
 
 

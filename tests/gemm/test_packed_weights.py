@@ -35,6 +35,11 @@ FORMATS = ["mxfp4", "int4-g32-sym", "int4-g64", "int4-g128"]
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 
+def _name(fmt):
+    """The weight format's name of a test format (``"int4-g64"`` -> ``"int4"``)."""
+    return fmt.split("-")[0]
+
+
 def _group(fmt):
     return quant4.MXFP4_GROUP if fmt == "mxfp4" else int(fmt.split("-")[1][1:])
 
@@ -60,7 +65,8 @@ def make_packed_problem(M, E, H, I, topk, fmt, dtype, seed=0, interleaved=False,
         p1, p2 = p1.view(E, 2 * I, H // 32, 16), p2.view(E, H, I // 32, 16)
     to = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
     prepared = prepare_weights(to(p1), to(p2), w1_scale=to(s1), w2_scale=to(s2), w1_zero=to(z1), w2_zero=to(z2),
-                               w1_bias=to(b1), w2_bias=to(b2), gate_up_interleaved=interleaved, pad_to=pad_to)
+                               w1_bias=to(b1), w2_bias=to(b2), gate_up_interleaved=interleaved, pad_to=pad_to,
+                               weight_format=_name(fmt))
     return x.to(DEVICE, dtype), prepared, tw.to(DEVICE), ti.to(DEVICE)
 
 
@@ -153,7 +159,7 @@ def test_prepared_weights_are_the_inputs_dequantized(fmt, interleaved):
     if fmt == "int4-g32":
         z1[0, 0, 0], z2[1, 2, 1] = 16, 0  # the zero points' range ends
     prepared = prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2,
-                               gate_up_interleaved=interleaved, pad_to=32)
+                               gate_up_interleaved=interleaved, pad_to=32, weight_format=_name(fmt))
     dequantize = (quant4.dequantize_mxfp4 if fmt == "mxfp4" else
                   lambda p, s, z: quant4.dequantize_int4(p, s, z, _group(fmt)))
     d1, d2 = dequantize(p1, s1, z1), dequantize(p2, s2, z2)
@@ -234,9 +240,13 @@ def test_forward_matches_the_dequantized_reference(fmt, path):
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4-g32"])
 def test_top_k_extremes_in_fp16_with_the_picked_config(fmt, topk):
     M, E, H, I = 9, 10, 96, 160
-    x, prepared, tw, ti = make_packed_problem(M, E, H, I, topk, fmt, torch.float16, seed=2)
+    check_every_path(*make_packed_problem(M, E, H, I, topk, fmt, torch.float16, seed=2))
+
+
+def check_every_path(x, prepared, tw, ti):
+    """Forwards on each path ("auto" too) into poisoned outputs, each against the reference."""
     for path in ("auto", "fused", "two_stage"):
-        out = fused_moe(x, prepared, None, tw, ti, path=path, out=poisoned(M, H, torch.float16))
+        out = fused_moe(x, prepared, None, tw, ti, path=path, out=poisoned(*x.shape, x.dtype))
         check(out, x, prepared, tw, ti)
 
 
@@ -261,9 +271,9 @@ def test_transformers_block_layout_prepares_like_the_flat_one():
     E, H, I = 2, 64, 64
     p1, s1 = quant4.quantize_mxfp4(torch.randn(E, 2 * I, H))
     p2, s2 = quant4.quantize_mxfp4(torch.randn(E, H, I))
-    flat = prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, gate_up_interleaved=True)
+    flat = prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, gate_up_interleaved=True, weight_format="mxfp4")
     blocks = prepare_weights(p1.view(E, 2 * I, H // 32, 16), p2.view(E, H, I // 32, 16), w1_scale=s1, w2_scale=s2,
-                             gate_up_interleaved=True)
+                             gate_up_interleaved=True, weight_format="mxfp4")
     assert torch.equal(flat.w13, blocks.w13) and torch.equal(flat.s13, blocks.s13)
     assert flat.w13.shape == (E, 2 * I, H // 2) and flat.w13.element_size() * flat.w13.numel() == E * 2 * I * H // 2
 
@@ -335,30 +345,34 @@ def test_wrong_packings_scales_and_zeros_are_refused_by_name():
     E, H, I = 2, 64, 32
     p1, s1 = quant4.quantize_mxfp4(torch.randn(E, 2 * I, H))
     p2, s2 = quant4.quantize_mxfp4(torch.randn(E, H, I))
-    with pytest.raises(ValueError, match="need their group scales"):
-        prepare_weights(p1, p2)
+    mx = dict(weight_format="mxfp4")
+    with pytest.raises(ValueError, match="say which with weight_format="):
+        prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2)
+    with pytest.raises(ValueError, match="need their scales"):
+        prepare_weights(p1, p2, **mx)
     with pytest.raises(ValueError, match=r"w2_scale must have shape"):
-        prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2[:, :, :0])
+        prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2[:, :, :0], **mx)
     with pytest.raises(ValueError, match="no zero points"):
-        prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=s1, w2_zero=s2)
+        prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=s1, w2_zero=s2, **mx)
     with pytest.raises(TypeError, match="w2 is torch.float32"):
-        prepare_weights(p1, torch.randn(E, H, I), w1_scale=s1, w2_scale=s2)
+        prepare_weights(p1, torch.randn(E, H, I), w1_scale=s1, w2_scale=s2, **mx)
     with pytest.raises(ValueError, match=r"w2 must have shape \[E, H, I // 2\]"):
-        prepare_weights(p1, p2[:, :, :8], w1_scale=s1, w2_scale=s2)
+        prepare_weights(p1, p2[:, :, :8], w1_scale=s1, w2_scale=s2, **mx)
     q1, f1, z1 = quant4.quantize_int4(torch.randn(E, 2 * I, H).half(), 32)
     q2, f2, z2 = quant4.quantize_int4(torch.randn(E, H, I).half(), 32)
+    i4 = dict(weight_format="int4")
     with pytest.raises(ValueError, match="w1_zero and w2_zero go together"):
-        prepare_weights(q1, q2, w1_scale=f1, w2_scale=f2, w1_zero=z1)
+        prepare_weights(q1, q2, w1_scale=f1, w2_scale=f2, w1_zero=z1, **i4)
     with pytest.raises(ValueError, match=r"w1_zero must hold zero points in \[0, 16\]"):
-        prepare_weights(q1, q2, w1_scale=f1, w2_scale=f2, w1_zero=z1.int() + 9, w2_zero=z2)
+        prepare_weights(q1, q2, w1_scale=f1, w2_scale=f2, w1_zero=z1.int() + 9, w2_zero=z2, **i4)
     with pytest.raises(ValueError, match="int4 groups"):
-        prepare_weights(q1, q2, w1_scale=f1[:, :, :1].repeat(1, 1, 3), w2_scale=f2)
+        prepare_weights(q1, q2, w1_scale=f1[:, :, :1].repeat(1, 1, 3), w2_scale=f2, **i4)
     with pytest.raises(ValueError, match="w1_zero/w2_zero go with int4"):
         prepare_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), w1_zero=z1)
     q1, f1, _ = quant4.quantize_int4(torch.randn(E, 2 * I, 128).half(), 64)
     q2, f2, _ = quant4.quantize_int4(torch.randn(E, 128, 64).half(), 64)
     with pytest.raises(ValueError, match="need I a multiple of the group"):
-        prepare_weights(q1[:, :2 * 32], q2[:, :, :16], w1_scale=f1[:, :2 * 32], w2_scale=f2[:, :, :1])
+        prepare_weights(q1[:, :2 * 32], q2[:, :, :16], w1_scale=f1[:, :2 * 32], w2_scale=f2[:, :, :1], **i4)
 
 
 def test_mismatched_prepared_scales_and_plain_4bit_weights_are_refused():
@@ -367,9 +381,9 @@ def test_mismatched_prepared_scales_and_plain_4bit_weights_are_refused():
     bad = replace(prepared, s2=prepared.s2[:, :, :1])
     with pytest.raises(ValueError, match=r"w1.s2 must have shape"):
         fused_moe(x, bad, None, tw, ti)
-    with pytest.raises(ValueError, match="lack scales"):
+    with pytest.raises(ValueError, match="need their scales"):
         fused_moe(x, replace(prepared, s13=None, s2=None), None, tw, ti)
-    with pytest.raises(TypeError, match="w1 must have dtype"):
+    with pytest.raises(TypeError, match="prepared once at load time"):
         fused_moe(x, prepared.w13, prepared.w2, tw, ti)
 
 
@@ -394,7 +408,8 @@ def _random_packed(fmt, E, H, I, seed, device="cuda"):
         return packed, scale.to(torch.bfloat16), zero
 
     (p1, s1, z1), (p2, s2, z2) = weight(2 * I, H), weight(H, I)
-    return prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2, gate_up_interleaved=True)
+    return prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2, gate_up_interleaved=True,
+                           weight_format=_name(fmt))
 
 
 def _reference_on_hit_experts(x, prepared, tw, ti, **kwargs):
@@ -425,14 +440,20 @@ def test_gpt_oss_sizes_in_bf16_eager_repeated_and_graph_replayed(shape, M, fmt):
     tw, ti = torch.topk(torch.randn(M, E, device="cuda", generator=gen).softmax(-1), topk, dim=-1)
     ti = ti.to(torch.int32)
     act = dict(activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
-    ref = _reference_on_hit_experts(x, prepared, tw, ti, **act)
+    check_repeated_and_graph_replayed(x, prepared, tw, ti, _reference_on_hit_experts(x, prepared, tw, ti, **act), **act)
+
+
+def check_repeated_and_graph_replayed(x, prepared, tw, ti, ref, **act):
+    """bf16 forwards on each path into poisoned outputs against ``ref``, each repeated, then one replayed from a
+    CUDA graph into a NaN-filled output."""
+    M, H = x.shape
     for path in ("auto", "fused", "two_stage"):
         out = fused_moe(x, prepared, None, tw, ti, path=path, out=poisoned(M, H, torch.bfloat16, "cuda"), **act)
-        assert torch.isfinite(out).all(), path
+        assert torch.isfinite(out).all(), (M, path)
         err = rel_error(out, ref)
-        assert err <= TOL[torch.bfloat16], (path, err)
+        assert err <= TOL[torch.bfloat16], (M, path, err)
         again = fused_moe(x, prepared, None, tw, ti, path=path, **act)
-        assert rel_error(again, out) <= 1e-2, path  # (atomic adds: the order, not the values, may change)
+        assert rel_error(again, out) <= 1e-2, (M, path)  # (atomic adds: the order, not the values, may change)
     out = torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     graph_fn = lambda: fused_moe(x, prepared, None, tw, ti, out=out, **act)  # noqa: E731
     graph_fn()
@@ -443,15 +464,23 @@ def test_gpt_oss_sizes_in_bf16_eager_repeated_and_graph_replayed(shape, M, fmt):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_error(out, ref) <= TOL[torch.bfloat16]
+    assert rel_error(out, ref) <= TOL[torch.bfloat16], M
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("path", ["fused", "two_stage"])
 def test_lora_expert_map_and_deterministic_mode_in_bf16(path):
-    M, E, H, I, topk = 64, 6, 320, 192, 4
-    prepared = _random_packed("mxfp4", E, H, I, seed=11)
+    check_lora_expert_map_and_deterministic(_random_packed("mxfp4", *LORA_SIZES[1:4], seed=11), path)
+
+
+LORA_SIZES = (64, 6, 320, 192, 4)  # M, E, H, I, topk of check_lora_expert_map_and_deterministic
+
+
+def check_lora_expert_map_and_deterministic(prepared, path):
+    """bf16 forwards of ``prepared`` (weights of :data:`LORA_SIZES`) on ``path`` with adapters and an ``expert_map``
+    (6 of 12 experts here) against the reference; deterministic mode repeated bit for bit."""
+    M, E, H, I, topk = LORA_SIZES
     gen = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
     tw, _ = torch.topk(torch.randn(M, 12, device="cuda", generator=gen).softmax(-1), topk, dim=-1)

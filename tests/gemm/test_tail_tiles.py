@@ -163,7 +163,8 @@ def test_with_adapters_and_4bit_weights(poisoned_scratch):
         assert_matches_reference(out, x, w1, w2, tw, ti, lora=lora, token_lora_ids=ids)
     p1, s1 = fmoe2.quant4.quantize_mxfp4(w1.float().cpu())
     p2, s2 = fmoe2.quant4.quantize_mxfp4(w2.float().cpu())
-    prepared = prepare_weights(p1.to(DEVICE), p2.to(DEVICE), w1_scale=s1.to(DEVICE), w2_scale=s2.to(DEVICE))
+    prepared = prepare_weights(p1.to(DEVICE), p2.to(DEVICE), w1_scale=s1.to(DEVICE), w2_scale=s2.to(DEVICE),
+                               weight_format="mxfp4")
     d1, d2 = (fmoe2.quant4.dequantize_mxfp4(p, s).to(x) for p, s in ((p1, s1), (p2, s2)))
     out = fused_moe(x, prepared, None, tw, ti, config=replace(TAIL, BLOCK_K=32, S2_BLOCK_K=32),
                     out=poisoned(M, H, torch.float16))
