@@ -7,9 +7,10 @@ the fused path; a three-launch two-stage path where it measures faster).
 * :func:`prepare_weights` - one-time conversion of expert weights to the prepared layout;
 * fp8 weights (block-wise, per channel or per expert scales) with activations quantized inside the
   kernels: :mod:`fmoe2.fp8` (:func:`quantize_fp8_weights` makes them from 16-bit weights);
-* 4-bit weights with 16-bit activations, dequantized in the kernels' operand loader: mxfp4 (gpt-oss's published
-  experts) and int4 with group scales and zero points (GPTQ, AWQ): :mod:`fmoe2.quant4`, prepared by
-  :func:`prepare_weights`;
+* weight-only formats with 16-bit activations, dequantized in the kernels' operand loader: mxfp4 (gpt-oss's
+  published experts) and int4 with group scales and zero points (GPTQ, AWQ): :mod:`fmoe2.quant4`; int8 with
+  per-channel or group scales (w8a16): :mod:`fmoe2.int8`; prepared by :func:`prepare_weights` (every format in one
+  registry: :mod:`fmoe2.formats`);
 * :class:`MoELoRA` / :func:`prepare_lora` - multi-LoRA adapters (inside the fused kernel; on the two-stage path
   inside the stages at decode sizes, else beside them);
 * :func:`set_deterministic` - deterministic, batch-invariant mode for every call (or ``fused_moe(...,
@@ -32,7 +33,7 @@ from .fp8 import quantize_weights as quantize_fp8_weights
 from .reference import fused_moe_reference, moe_sorting_reference
 from .sorting import MoESortingResult, moe_sorting
 from . import ops  # noqa: F401  (registers torch.ops.fmoe2.*)
-from . import quant4  # noqa: F401
+from . import formats, int8, quant4  # noqa: F401
 
 
 def clear_plan_cache() -> None:

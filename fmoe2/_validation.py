@@ -12,6 +12,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from .fp8 import FP8_DTYPES, nan_codes
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -70,6 +72,20 @@ def check_interpreter_dtype(name: str, dtype: torch.dtype) -> None:
         raise TypeError(f"{name} is bfloat16, and {BF16_UNDER_THE_INTERPRETER}. Use float16 or float32 on the CPU "
                         "(hidden_states and weights as .half() or .float()), or run bf16 on a GPU without "
                         "TRITON_INTERPRET")
+
+
+def check_interpreter_fp8_nan(name: str, w: torch.Tensor) -> None:
+    """Refuses fp8 weights holding NaN codes under Triton's interpreter, which reads them as finite numbers (e4m3fn
+    0x7F as 480, e4m3fnuz 0x80 as -0): the forward came out finite where the reference's is NaN (``ValueError``; on a
+    GPU they propagate as NaN, as bf16 NaN weights do)."""
+    if w.dtype in FP8_DTYPES and w.device.type == "cpu" and interpreter_enabled():
+        nan = nan_codes(w)
+        if bool(nan.any()):
+            where = [int(i) for i in nan.nonzero()[0].tolist()]
+            raise ValueError(f"{name} holds {int(nan.sum())} fp8 NaN codes (the first at index {where}), which the "
+                             "Triton interpreter reads as finite numbers (e4m3fn 0x7F as 480.0, e4m3fnuz 0x80 as "
+                             "-0.0): the forward would come out finite where it must be NaN. Run fp8 weights holding "
+                             "NaN on a GPU")
 
 
 def check_inference_only(**tensors) -> None:

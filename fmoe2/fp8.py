@@ -139,6 +139,13 @@ def _quantize_expert_weights(w, scheme, block_shape, dtype):
     return quantized.to(dtype), scale.contiguous()
 
 
+def nan_codes(w: torch.Tensor) -> torch.Tensor:
+    """Where fp8 ``w`` holds NaN (bool, ``w``'s shape), read from its bits: e4m3fn's NaN is S.1111.111 (0x7F, 0xFF),
+    e4m3fnuz's the one code 0x80."""
+    bits = w.view(torch.uint8)
+    return bits == 0x80 if w.dtype == torch.float8_e4m3fnuz else (bits & 0x7F) == 0x7F
+
+
 def to_e4m3fnuz(w: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(w [float8_e4m3fnuz], scale * 2)`` of ``float8_e4m3fn`` weights and their scale, for gfx942, whose
     matrix instructions take e4m3fnuz. Both formats have 4 exponent and 3 mantissa bits; e4m3fnuz's
@@ -148,7 +155,7 @@ def to_e4m3fnuz(w: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, tor
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"w must be float8_e4m3fn, got {w.dtype}")
     bits = w.view(torch.uint8)
-    nan = (bits & 0x7F) == 0x7F
+    nan = nan_codes(w)
     bits = torch.where(bits == 0x80, torch.zeros_like(bits), bits)
     bits = torch.where(nan, torch.full_like(bits, 0x80), bits)
     return bits.view(torch.float8_e4m3fnuz), scale * 2

@@ -59,8 +59,8 @@ def test_prepared_weights_state_their_format_and_the_op_path_reads_it_back(name)
     prepared = _prepared(name)
     assert prepared.weight_format == name and prepared.format is WEIGHT_FORMATS[name]
     # Rebuilt from its tensors alone (as the torch.library op does): the same format
-    rebuilt = fmoe2.PreparedMoEWeights(prepared.w13, prepared.w2, H, I, prepared.b13, prepared.b2, prepared.s13,
-                                       prepared.s2, prepared.scale_block)
+    rebuilt = fmoe2.PreparedMoEWeights.from_prepared(prepared.w13, prepared.w2, H, I, prepared.b13, prepared.b2,
+                                                     prepared.s13, prepared.s2, prepared.scale_block)
     assert rebuilt.weight_format == name and format_of_prepared(prepared.w13, prepared.s13).name == name
     if WEIGHT_FORMATS[name].weight_only:  # the reference's dequantization knows every weight-only format
         w13, w2 = prepared.dequantized()

@@ -540,7 +540,8 @@ class _MoEBlock(torch.nn.Module):
     def forward(self, x):
         weights, ids = torch.topk(torch.nn.functional.linear(x, self.router).float().softmax(-1), self.topk, dim=-1)
         if self.prepared:
-            return x + fused_moe(x, fmoe2.PreparedMoEWeights(self.w1, self.w2, self.H, self.I), None, weights, ids)
+            experts = fmoe2.PreparedMoEWeights.from_prepared(self.w1, self.w2, self.H, self.I)
+            return x + fused_moe(x, experts, None, weights, ids)
         return x + fused_moe(x, self.w1, self.w2, weights, ids)
 
 

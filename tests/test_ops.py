@@ -152,3 +152,28 @@ def test_a_dict_mutated_before_the_call_breaks_no_graph():
     out = torch.compile(step, fullgraph=True, backend="aot_eager")(x, tw, ti)
     assert state["calls"] == 1
     assert_matches_reference(out, x, w1, w2, tw, ti)
+
+
+@pytest.mark.parametrize("name", ["16bit", "int8"])
+def test_prepared_weights_rebuilt_from_buffers_inside_a_compiled_forward(name):
+    # A module keeping prepared tensors as buffers rebuilds its PreparedMoEWeights in forward (from_prepared: checked
+    # against its format there): one graph, the same answer.
+    torch._dynamo.reset()
+    x, w1, w2, tw, ti = make_problem(7, 4, 40, 24, 2, torch.float16, seed=6)
+    if name == "int8":
+        from fmoe2 import int8
+
+        (q1, s1), (q2, s2) = int8.quantize_int8(w1), int8.quantize_int8(w2)
+        prepared = prepare_weights(q1, q2, w1_scale=s1, w2_scale=s2)
+    else:
+        prepared = prepare_weights(w1, w2)
+
+    def step(x, tw, ti):
+        experts = fmoe2.PreparedMoEWeights.from_prepared(prepared.w13, prepared.w2, 40, 24, s13=prepared.s13,
+                                                         s2=prepared.s2, scale_block=prepared.scale_block)
+        return fused_moe(x, experts, None, tw, ti, config=SMALL)
+
+    with torch.no_grad():
+        out = torch.compile(step, fullgraph=True, backend="aot_eager")(x, tw, ti)
+    tol = 0 if DEVICE == "cpu" else 2e-3
+    torch.testing.assert_close(out, fused_moe(x, prepared, None, tw, ti, config=SMALL), rtol=tol, atol=tol)

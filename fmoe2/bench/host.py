@@ -265,8 +265,8 @@ class TwoLayerMoE(torch.nn.Module):
         for layer in range(self.layers):
             logits = torch.nn.functional.linear(x, getattr(self, f"router{layer}")).float()
             weights, ids = torch.topk(logits.softmax(-1), self.topk, dim=-1)
-            experts = fmoe2.PreparedMoEWeights(getattr(self, f"w13_{layer}"), getattr(self, f"w2_{layer}"),
-                                               self.hidden_size, self.intermediate_size)
+            experts = fmoe2.PreparedMoEWeights.from_prepared(getattr(self, f"w13_{layer}"), getattr(self, f"w2_{layer}"),
+                                                             self.hidden_size, self.intermediate_size)
             x = x + fmoe2.fused_moe(x, experts, None, weights, ids)
         return x
 

@@ -155,9 +155,10 @@ class MoECall:
         keywords["block_shape"] = tuple(block) if block is not None else None
         inter = slots["prepared_intermediate_size"]
         if inter:  # prepared weights: their biases and scales travel as w1_bias ... block_shape
-            keywords.update(w1=PreparedMoEWeights(slots["w1"], slots["w2"], slots["prepared_hidden_size"], inter,
-                                                  slots["w1_bias"], slots["w2_bias"], slots["w1_scale"],
-                                                  slots["w2_scale"], keywords["block_shape"]),
+            prepared = PreparedMoEWeights.from_prepared(slots["w1"], slots["w2"], slots["prepared_hidden_size"], inter,
+                                                        slots["w1_bias"], slots["w2_bias"], slots["w1_scale"],
+                                                        slots["w2_scale"], keywords["block_shape"])
+            keywords.update(w1=prepared,
                             w2=None, w1_bias=None, w2_bias=None, w1_scale=None, w2_scale=None, block_shape=None)
         keywords["lora"] = None
         if slots["lora_a13"] is not None:

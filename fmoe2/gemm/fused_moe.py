@@ -16,8 +16,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..determinism import deterministic_enabled, fused_path_under_the_switch
-from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_inference_only, check_interpreter_dtype, check_out_overlaps,
-                           check_same_device, check_tensor, on_device)
+from .._validation import (FLOAT_DTYPES, ID_DTYPES, check_inference_only, check_interpreter_dtype,
+                           check_interpreter_fp8_nan, check_out_overlaps, check_same_device, check_tensor, on_device)
 from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..activations import ACTIVATION_TABLE, ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
@@ -317,6 +317,8 @@ def check_weights(weights: MoEWeights, H: int, dtype: torch.dtype):
         weight_format = plain_format(w1).name
     if E < 1 or inter < 1 or H < 1:
         raise ValueError(f"w1 must have E >= 1 experts and H, I >= 1, got E={E}, H={H}, I={inter}")
+    for name, w in (("w1", w1_t), ("w2", w2_t)):
+        check_interpreter_fp8_nan(name, w)
     return w1_t, w2_t, interleaved, E, inter, w1_bias, w2_bias, s13, s2, scale_block, weight_format
 
 

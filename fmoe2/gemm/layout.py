@@ -29,7 +29,7 @@ are then multiples of the group too; padded scales are zero, so padded values de
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
@@ -46,9 +46,16 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+# Passed by prepare_weights and PreparedMoEWeights.from_prepared (and kept by dataclasses.replace): a
+# PreparedMoEWeights built by hand from other tensors, e.g. plain [E, 2I, H] weights whose gate rows come first, would
+# pass every check and compute wrong (issue 57: relative error 1.42).
+_PREPARED = object()
+
+
 @dataclass
 class PreparedMoEWeights:
-    """Expert weights in fmoe2's prepared layout (see module docstring)."""
+    """Expert weights in fmoe2's prepared layout (see module docstring), made by :func:`prepare_weights`; rebuilt from
+    tensors it made (a saved state, buffers of a module) by :meth:`from_prepared`."""
 
     w13: torch.Tensor  # [E, 2*I_pad, H_pad], gate/up rows interleaved, zero padded
     w2: torch.Tensor  # [E, H_pad, I_pad], zero padded
@@ -65,11 +72,28 @@ class PreparedMoEWeights:
     # The format's name in fmoe2.formats.WEIGHT_FORMATS, stated by prepare_weights; None (weights rebuilt from their
     # prepared tensors, e.g. by the torch.library op): read off those tensors. Checked against them either way.
     weight_format: Optional[str] = None
+    _made_by: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        if self._made_by is not _PREPARED:
+            raise TypeError("PreparedMoEWeights holds tensors in fmoe2's prepared layout (gate/up rows interleaved, "
+                            "padded): make it with fmoe2.prepare_weights(w1, w2, ...), or rebuild one from the tensors "
+                            "prepare_weights made (a saved state, a module's buffers) with "
+                            "PreparedMoEWeights.from_prepared(w13, w2, hidden_size, intermediate_size, ...)")
         if self.weight_format is None:
             self.weight_format = format_of_prepared(self.w13, self.s13).name
         check_prepared_tensors(weight_format(self.weight_format), self.w13, self.s13, self.scale_block)
+
+    @classmethod
+    def from_prepared(cls, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, intermediate_size: int,
+                      b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+                      s13: Optional[torch.Tensor] = None, s2: Optional[torch.Tensor] = None,
+                      scale_block: Optional[Tuple[int, int]] = None,
+                      weight_format: Optional[str] = None) -> "PreparedMoEWeights":
+        """Prepared weights rebuilt from the tensors :func:`prepare_weights` made (its fields, in its layout:
+        ``w13`` with gate/up rows interleaved); checked against their format as prepared ones are."""
+        return cls(w13, w2, hidden_size, intermediate_size, b13, b2, s13, s2, scale_block, weight_format,
+                   _made_by=_PREPARED)
 
     @property
     def format(self) -> WeightFormat:
@@ -216,9 +240,8 @@ def prepare_weights(w1: torch.Tensor, w2: torch.Tensor, *, pad_to: int = 64, w1_
     w13 = _interleaved_rows(w1, i_pad, h_pad, gate_up_interleaved)
     w2p = _padded(w2, h_pad, i_pad)
     b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
-    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2,
-                              s13=s13.contiguous() if fp8 else None, s2=s2.contiguous() if fp8 else None,
-                              scale_block=scale_block, weight_format=fmt.name)
+    return PreparedMoEWeights.from_prepared(w13, w2p, H, inter, b13, b2, s13.contiguous() if fp8 else None,
+                                            s2.contiguous() if fp8 else None, scale_block, fmt.name)
 
 
 def _interleaved_rows(t: torch.Tensor, i_pad: int, k_pad: int, gate_up_interleaved: bool) -> torch.Tensor:
@@ -363,8 +386,7 @@ def _prepare_weight_only(fmt: WeightFormat, w1, w2, pad_to, w1_bias, w2_bias, ga
     w2p = _padded(w2, h_pad, i_pad // per)
     s2 = _padded(s2, h_pad, i_pad // group)
     b13, b2 = _prepared_biases(w1_bias, w2_bias, i_pad, h_pad, gate_up_interleaved)
-    return PreparedMoEWeights(w13=w13, w2=w2p, hidden_size=H, intermediate_size=inter, b13=b13, b2=b2, s13=s13,
-                              s2=s2, scale_block=(1, group), weight_format=name)
+    return PreparedMoEWeights.from_prepared(w13, w2p, H, inter, b13, b2, s13, s2, (1, group), name)
 
 
 def _int4_zeros(w1_scale, w2_scale, w1_zero, w2_zero):

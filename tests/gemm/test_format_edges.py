@@ -1,8 +1,11 @@
 """Bad input at the weight formats' edges gets a clear error or a right answer, never a silently wrong one (issue 57,
 item 5: each of these was silently wrong or obscure on 98a32ee)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
+import fmoe2
 from fmoe2 import fused_moe, prepare_weights, quant4, quantize_fp8_weights
 from fmoe2.fp8 import dequantize_weights
 from helpers import DEVICE, make_problem
@@ -89,3 +92,34 @@ def test_an_fp8_nan_weight_gives_nan_in_the_rows_that_use_it_on_the_gpu():
     out = fused_moe(x, q1, q2, tw, ti, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
     uses = (ti[:, 0] == ti[0, 0]).cpu()
     assert torch.isnan(out.float().cpu()[uses]).any(dim=1).all() and torch.isfinite(out.float().cpu()[~uses]).all()
+
+
+def test_prepared_weights_are_made_by_prepare_weights_not_by_hand():
+    # A PreparedMoEWeights built by hand from plain weights (gate rows then up rows) passed every check and computed
+    # with the rows read as interleaved: relative error 1.42. Now only prepare_weights makes one, and from_prepared
+    # rebuilds one from the tensors prepare_weights made.
+    x, w1, w2, tw, ti = make_problem(4, 3, 64, 64, 2, torch.float16)
+    with pytest.raises(TypeError, match=r"make it with fmoe2.prepare_weights.*from_prepared"):
+        fmoe2.PreparedMoEWeights(w1, w2, 64, 64)
+    prepared = prepare_weights(w1, w2)
+    rebuilt = fmoe2.PreparedMoEWeights.from_prepared(prepared.w13, prepared.w2, 64, 64)
+    assert torch.equal(fused_moe(x, rebuilt, None, tw, ti), fused_moe(x, prepared, None, tw, ti))
+    assert replace(prepared, b13=None).w13 is prepared.w13  # (dataclasses.replace keeps working)
+
+
+def test_fp8_nan_codes_are_refused_under_the_interpreter_and_propagate_on_a_gpu():
+    # The interpreter read e4m3fn's NaN 0x7F as 480.0 and e4m3fnuz's 0x80 as -0.0: the forward came out finite where
+    # the reference is NaN.
+    x, w1, w2, tw, ti = make_problem(4, 3, 64, 64, 2, torch.float16)
+    (q1, s1), (q2, s2) = quantize_fp8_weights(w1.float(), "channel"), quantize_fp8_weights(w2.float(), "channel")
+    bits = q1.view(torch.uint8).clone()
+    bits[int(ti[0, 0]), 3, 5] = 0x7F
+    q1 = bits.view(q1.dtype)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=r"w1 holds 1 fp8 NaN codes .* interpreter reads"):
+            fused_moe(x, q1, q2, tw, ti, w1_scale=s1, w2_scale=s2)
+        with pytest.raises(ValueError, match="fp8 NaN codes"):
+            fused_moe(x, prepare_weights(q1, q2, w1_scale=s1, w2_scale=s2), None, tw, ti)
+    else:
+        out = fused_moe(x.bfloat16(), q1, q2, tw, ti, w1_scale=s1, w2_scale=s2)
+        assert torch.isnan(out[0]).any()

@@ -193,8 +193,8 @@ def test_empty_experts_dimension_and_inconsistent_prepared_weights_are_refused()
     with pytest.raises(ValueError, match="expert_map must have at least one entry"):
         fused_moe(x, w1, w2, tw, ti, expert_map=torch.empty(0, dtype=torch.int32, device=DEVICE))
     p = prepare_weights(w1, w2)
-    bad = [fmoe2.PreparedMoEWeights(p.w13, p.w2[:1].contiguous(), 32, 16),
-           fmoe2.PreparedMoEWeights(p.w13, p.w2, 32, 100)]
+    bad = [fmoe2.PreparedMoEWeights.from_prepared(p.w13, p.w2[:1].contiguous(), 32, 16),
+           fmoe2.PreparedMoEWeights.from_prepared(p.w13, p.w2, 32, 100)]
     for weights in bad:
         with pytest.raises(ValueError, match="prepared weights are inconsistent"):
             fused_moe(x, weights, None, tw, ti)
