@@ -25,6 +25,10 @@ values per byte (``w13 [E, 2*I_pad, H_pad // 2]``, ``w2 [E, H_pad, I_pad // 2]``
 in the weights' row order: mxfp4 ``s13 [E, 2*I_pad, H_pad // 32]`` uint8 e8m0, int4 ``s13 [E, 2*I_pad, H_pad //
 G, 2]`` holding (scale, zero) per group in the scales' dtype; ``scale_block`` is ``(1, G)``. H_pad and I_pad
 are then multiples of the group too; padded scales are zero, so padded values dequantize to zero.
+
+int8 weights (``fmoe2/int8.py``) keep one value per byte (``w13 [E, 2*I_pad, H_pad]`` int8) with scales
+``s13 [E, 2*I_pad, H_pad // G]`` in the scales' dtype (per channel scales repeated over groups of 128).
+Each prepared tensor's format is in :data:`fmoe2.formats.WEIGHT_FORMATS` (``PreparedMoEWeights.weight_format``).
 """
 from __future__ import annotations
 
@@ -64,8 +68,8 @@ class PreparedMoEWeights:
     b13: Optional[torch.Tensor] = None  # [E, 2*I_pad] gate/up bias, interleaved like w13's rows, zero padded
     b2: Optional[torch.Tensor] = None  # [E, H_pad] down bias, zero padded
     # fp8 weights: float32 scale views [E, Sn, Sk] of w1 (the checkpoint's row order: the kernels map
-    # interleaved rows back) and w2, and their block shape (block_n, block_k) (fmoe2/fp8.py). 4-bit weights
-    # (uint8 w13/w2): their group scales in w13's / w2's row order (module docstring), scale_block (1, group)
+    # interleaved rows back) and w2, and their block shape (block_n, block_k) (fmoe2/fp8.py). Weight-only formats
+    # (mxfp4, int4, int8): their group scales in w13's / w2's row order (module docstring), scale_block (1, group)
     s13: Optional[torch.Tensor] = None
     s2: Optional[torch.Tensor] = None
     scale_block: Optional[Tuple[int, int]] = None
