@@ -100,12 +100,7 @@ class _DequantizedExperts:
         self.shape = (E, 2 * inter, H) if which == 0 else (E, H, inter)
 
     def __getitem__(self, e: int) -> torch.Tensor:
-        from dataclasses import replace
-
-        p = self.prepared
-        one = replace(p, w13=p.w13[e:e + 1], w2=p.w2[e:e + 1], s13=p.s13[e:e + 1], s2=p.s2[e:e + 1], b13=None,
-                      b2=None)
-        return one.unprepare()[self.which][0]
+        return self.prepared.unprepare(slice(e, e + 1), (self.which,))[self.which][0]
 
 
 def _expert_weight(w, e, fp8, which, compute):

@@ -130,26 +130,35 @@ class PreparedMoEWeights:
     def device(self) -> torch.device:
         return self.w13.device
 
-    def unprepare(self):
-        """Returns ``(w1 [E, 2I, H], w2 [E, H, I])`` in the plain layout (for references/tests); 4-bit weights
-        dequantized to float32."""
+    def unprepare(self, experts: slice = slice(None), which: Tuple[int, ...] = (0, 1)):
+        """Returns ``(w1 [E, 2I, H], w2 [E, H, I])`` in the plain layout (for references/tests); weight-only formats
+        dequantized to float32. ``experts``: those experts only; ``which``: 0 for w1, 1 for w2 (the others None)."""
         H, inter = self.hidden_size, self.intermediate_size
-        w13, w2 = self.w13, self.w2
-        if self.packed:
-            w13, w2 = self.dequantized()
-        gate_up = rearrange(w13, "e (i two) h -> e two i h", two=2)[:, :, :inter, :H]
-        w1 = rearrange(gate_up, "e two i h -> e (two i) h").contiguous()
-        return w1, w2[:, :H, :inter].contiguous()
+        out = [None, None]
+        for i in which:
+            w, s = ((self.w13, self.s13), (self.w2, self.s2))[i]
+            w = w[experts]
+            if self.packed:
+                w = self._dequantize(w, s[experts], torch.float32)
+            if i == 0:
+                gate_up = rearrange(w, "e (i two) h -> e two i h", two=2)[:, :, :inter, :H]
+                out[0] = rearrange(gate_up, "e two i h -> e (two i) h").contiguous()
+            else:
+                out[1] = w[:, :H, :inter].contiguous()
+        return tuple(out)
 
     def dequantized(self, dtype: torch.dtype = torch.float32):
-        """``(w13, w2)`` of weight-only quantized weights dequantized to ``dtype``, in the prepared (interleaved, padded) layout."""
-        pairs = ((self.w13, self.s13), (self.w2, self.s2))
+        """``(w13, w2)`` of weight-only quantized weights dequantized to ``dtype``, in the prepared (interleaved,
+        padded) layout."""
+        return self._dequantize(self.w13, self.s13, dtype), self._dequantize(self.w2, self.s2, dtype)
+
+    def _dequantize(self, w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.weight_format == "mxfp4":
-            return tuple(quant4.dequantize_mxfp4(w, s, dtype) for w, s in pairs)
+            return quant4.dequantize_mxfp4(w, s, dtype)
         if self.weight_format == "int4":
-            return tuple(quant4.dequantize_int4(w, s[..., 0], s[..., 1], self.group_size, dtype) for w, s in pairs)
+            return quant4.dequantize_int4(w, s[..., 0], s[..., 1], self.group_size, dtype)
         if self.weight_format == "int8":
-            return tuple(int8.dequantize_int8(w, s, self.group_size, dtype) for w, s in pairs)
+            return int8.dequantize_int8(w, s, self.group_size, dtype)
         raise ValueError(f"dequantized() is for weight-only formats; these are {self.weight_format}")
 
     def unprepare_biases(self):
