@@ -41,6 +41,7 @@ class WeightFormat:
     values_per_element: int = 1
     scale_dtypes: Tuple[torch.dtype, ...] = ()
     scale_entry: int = 0
+    scale_doc: str = ""  # what a group's scale entry is, for errors
     groups: Tuple[int, ...] = ()
     quantizes_activations: bool = False
     dequantized_in_loader: bool = False
@@ -77,18 +78,20 @@ WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
                                "order"),)),
     WeightFormat("mxfp4", "OCP mxfp4: e2m1 values two per byte, one e8m0 scale per 32 columns (gpt-oss; "
                  "fmoe2/quant4.py)", weight_dtypes=(torch.uint8,), element_bits=4, values_per_element=2,
-                 scale_dtypes=(torch.uint8,), scale_entry=1, groups=(32,), dequantized_in_loader=True,
+                 scale_dtypes=(torch.uint8,), scale_entry=1, scale_doc="e8m0 scales", groups=(32,),
+                 dequantized_in_loader=True,
                  takes_plain_weights=False, kernel_encoding="uint8 weights, uint8 scales",
                  unsupported=(_PREPARE_FIRST,)),
     WeightFormat("int4", "unsigned 4-bit values two per byte with a float scale and a zero point per group "
                  "(GPTQ, AWQ; fmoe2/quant4.py)", weight_dtypes=(torch.uint8,), element_bits=4, values_per_element=2,
-                 scale_dtypes=FLOAT_SCALE_DTYPES, scale_entry=2, groups=(32, 64, 128), dequantized_in_loader=True,
-                 takes_plain_weights=False, kernel_encoding="uint8 weights, (scale, zero) float pairs",
+                 scale_dtypes=FLOAT_SCALE_DTYPES, scale_entry=2, scale_doc="(scale, zero) pairs", groups=(32, 64, 128),
+                 dequantized_in_loader=True, takes_plain_weights=False,
+                 kernel_encoding="uint8 weights, (scale, zero) float pairs",
                  unsupported=(_PREPARE_FIRST,)),
     WeightFormat("int8", "symmetric int8 values with a float scale per output channel or per group of columns "
                  "(w8a16, vLLM's int8_w8a16; fmoe2/int8.py)", weight_dtypes=(torch.int8,), element_bits=8,
-                 scale_dtypes=FLOAT_SCALE_DTYPES, scale_entry=1, groups=(32, 64, 128), dequantized_in_loader=True,
-                 takes_plain_weights=False, kernel_encoding="int8 weights, float scales",
+                 scale_dtypes=FLOAT_SCALE_DTYPES, scale_entry=1, scale_doc="scales", groups=(32, 64, 128),
+                 dequantized_in_loader=True, takes_plain_weights=False, kernel_encoding="int8 weights, float scales",
                  unsupported=(_PREPARE_FIRST,)),
 )}
 

@@ -328,7 +328,6 @@ def check_packed_scales(w1: PreparedMoEWeights, E: int) -> None:
     fmt, group = w1.format, w1.group_size
     fmt.check_group(group, "prepared weights")
     entry = () if fmt.scale_entry == 1 else (fmt.scale_entry,)
-    what = {"mxfp4": "e8m0 scales", "int4": "(scale, zero) pairs", "int8": "scales"}[fmt.name]
     for name, w, scale in (("w1.s13", w1.w13, w1.s13), ("w1.s2", w1.w2, w1.s2)):
         k_pad = fmt.values_per_element * w.shape[2]
         if k_pad % group:
@@ -337,7 +336,7 @@ def check_packed_scales(w1: PreparedMoEWeights, E: int) -> None:
         shape = (E, w.shape[1], k_pad // group) + entry
         # (contiguous like the weights: the kernels derive the scales' strides from theirs)
         check_tensor(name, scale, dtypes=fmt.scale_dtypes, shape=shape,
-                     shape_doc=f"{list(shape)} ({what} of the weights' groups of {group})")
+                     shape_doc=f"{list(shape)} ({fmt.scale_doc} of the weights' groups of {group})")
 
 
 def check_call(call: MoECall) -> MoEProblem:
