@@ -254,10 +254,9 @@ def _meta_weights(target_name: str, E: int, H: int, inter: int, dtype: torch.dty
         h_pad, i_pad = _round_up(H, max(64, group)), _round_up(inter, max(64, group))
         w1 = torch.empty(E, 2 * i_pad, h_pad // per, dtype=fmt.weight_dtypes[0], **meta)
         w2 = torch.empty(E, h_pad, i_pad // per, dtype=fmt.weight_dtypes[0], **meta)
-        entry = () if fmt.scale_entry == 1 else (fmt.scale_entry,)
         scale_dtype = torch.float16 if torch.float16 in fmt.scale_dtypes else fmt.scale_dtypes[0]
-        scales = dict(w1_scale=torch.empty(E, 2 * i_pad, h_pad // group, *entry, dtype=scale_dtype, **meta),
-                      w2_scale=torch.empty(E, h_pad, i_pad // group, *entry, dtype=scale_dtype, **meta),
+        scales = dict(w1_scale=torch.empty(E, 2 * i_pad, h_pad // group, *fmt.scale_tail, dtype=scale_dtype, **meta),
+                      w2_scale=torch.empty(E, h_pad, i_pad // group, *fmt.scale_tail, dtype=scale_dtype, **meta),
                       scale_block=(1, group), weight_format=weights)
     elif prepared:
         h_pad, i_pad = _round_up(H, 64), _round_up(inter, 64)

@@ -50,6 +50,12 @@ class WeightFormat:
     unsupported: Tuple[Tuple[str, str], ...] = ()
 
     @property
+    def scale_tail(self) -> Tuple[int, ...]:
+        """The prepared scale tensor's dimensions after ``[E, rows, K_pad // group]``: ``(2,)`` for (scale, zero)
+        pairs, else none."""
+        return (self.scale_entry,) if self.scale_entry > 1 else ()
+
+    @property
     def weight_only(self) -> bool:
         """Weight-only formats are dequantized in the 16-bit entries' operand loader (module docstring)."""
         return self.dequantized_in_loader
@@ -174,10 +180,10 @@ def check_prepared_tensors(fmt: WeightFormat, w13: torch.Tensor, s13: Optional[t
     if s13.dtype not in fmt.scale_dtypes:
         raise ValueError(f"prepared {fmt.name} weights' scales are {fmt.scale_dtypes}; s13 is {s13.dtype}")
     if fmt.weight_only:
-        ndim = 4 if fmt.scale_entry == 2 else 3
-        if s13.dim() != ndim or (ndim == 4 and s13.shape[-1] != 2):
+        tail = fmt.scale_tail
+        if s13.dim() != 3 + len(tail) or tuple(s13.shape[3:]) != tail:
             raise ValueError(f"prepared {fmt.name} weights' scales are [E, 2*I_pad, K_pad // group"
-                             f"{', 2' if ndim == 4 else ''}]; s13 has shape {tuple(s13.shape)}")
+                             f"{''.join(f', {d}' for d in tail)}]; s13 has shape {tuple(s13.shape)}")
         if scale_block is None or scale_block[0] != 1:
             raise ValueError(f"prepared {fmt.name} weights have scale_block (1, group); got {scale_block}")
         fmt.check_group(scale_block[1], "prepared weights")

@@ -756,8 +756,8 @@ def get_config(
     forces a path; the picked tiling is then refitted to it. ``tuned=False`` skips tuned files: the shipped
     defaults, as on a GPU without a tuned file for the shape. ``lora=True``: with adapters. ``fp8=True``: with fp8
     weights (any scale scheme). ``weight_format``: the weights' format (``fmoe2.formats.WEIGHT_FORMATS``; e.g.
-    ``"int8"``, or ``PreparedMoEWeights.weight_format``). ``deterministic=True``: deterministic mode (``cuda_arch``, e.g. 90, for a CUDA GPU
-    that is not there). ``tuned_for``: the name of a GPU (``device_config_name``, e.g. ``"NVIDIA_H200"``) whose
+    ``"int8"``, or ``PreparedMoEWeights.weight_format``). ``deterministic=True``: deterministic mode (``cuda_arch``,
+    e.g. 90, for a CUDA GPU that is not there). ``tuned_for``: the name of a GPU (``device_config_name``, e.g. ``"NVIDIA_H200"``) whose
     tuned files to read, also when ``backend``/``arch`` name a GPU that is not here (not in deterministic mode).
     """
     here = target_of(device)

@@ -327,13 +327,12 @@ def check_packed_scales(w1: PreparedMoEWeights, E: int) -> None:
     as the weights' format (``fmoe2/formats.py``) lays them out."""
     fmt, group = w1.format, w1.group_size
     fmt.check_group(group, "prepared weights")
-    entry = () if fmt.scale_entry == 1 else (fmt.scale_entry,)
     for name, w, scale in (("w1.s13", w1.w13, w1.s13), ("w1.s2", w1.w2, w1.s2)):
         k_pad = fmt.values_per_element * w.shape[2]
         if k_pad % group:
             raise ValueError(f"prepared {fmt.name} weights' rows ({k_pad} columns) must hold whole groups of "
                              f"{group} (fmoe2.prepare_weights pads them so)")
-        shape = (E, w.shape[1], k_pad // group) + entry
+        shape = (E, w.shape[1], k_pad // group) + fmt.scale_tail
         # (contiguous like the weights: the kernels derive the scales' strides from theirs)
         check_tensor(name, scale, dtypes=fmt.scale_dtypes, shape=shape,
                      shape_doc=f"{list(shape)} ({fmt.scale_doc} of the weights' groups of {group})")
