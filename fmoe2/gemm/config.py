@@ -53,6 +53,13 @@ MAX_DOWN_TILE = 16384  # elements of the down weight tile [BLOCK_H, BLOCK_N] onc
 # 40 instructions with 4 warps and none with 8.
 WEIGHT_TILE_PER_WARP = 4096
 MAX_ACC_REGS = 64  # fp32 gate/up accumulator registers per thread once widened
+# Contiguous bytes of each K row of a gate or up weight tile read from N-contiguous weights with gate/up
+# concatenated (ConfigProblem.n_contiguous_halves): one 128-byte cache line. A row is BLOCK_N elements there
+# (interleaved rows: 2*BLOCK_N, K-contiguous ones: BLOCK_K). The H200's gpt-oss pick at M=1 and 8 (two-stage,
+# BLOCK_N=32: 64-byte halves of lines, each warp's copy touching 8 lines where interleaved rows touch 4) ran 1.20x
+# slower at M=8 than K-contiguous weights with the same instructions, registers and shared memory; interleaved rows at
+# the same BLOCK_N ran 0.99x (misc/bench/layout/NVIDIA_H200.md).
+MIN_WEIGHT_ROW_BYTES = 128
 MAX_FUSED_ACC = 8 * 32 * 128  # fp32 gate/up accumulator elements of one fused program (8 warps x 128 registers)
 FP8_MAX_ACC = MAX_FUSED_ACC // 2  # the same with fp8 weights (fit_fp8_config)
 FP8_MAX_FUSED_ATOMIC_ADDS = 64  # per output element, for fp8 on the fused path (fp8_prefers_two_stage)
@@ -322,7 +329,8 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
     ``path`` ("fused"/"two_stage") switches the config's path first; "auto" keeps it. ``backend``
     ("cuda"/"hip", default: this machine's) sets the shared-memory budget of widened configs.
     ``min_block_n``: a fused config's slices are widened to at least this many columns (within
-    ``next_pow2(I)``), with the same budgets as the atomic-add cap's widening. Last, the loops'
+    ``next_pow2(I)``), with the same budgets as the atomic-add cap's widening; a two-stage config's
+    stage-1 slices likewise (no budgets: its down GEMM is stage 2's). Last, the loops'
     buffers are fitted to ``shared_memory`` bytes per program for ``dtype``
     (:func:`fit_shared_memory`).
 
@@ -359,6 +367,8 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
                 block_m //= 2
             num_warps = max(num_warps, min(8, max(block_m * 2 * block_n // (32 * MAX_ACC_REGS),
                                                   2 * block_n * block_k // WEIGHT_TILE_PER_WARP)))
+    elif cfg.path == "two_stage" and not fp8_weights:
+        block_n = max(block_n, min(min_block_n, triton.next_power_of_2(I)))
     s2_block_k = cap(cfg.S2_BLOCK_K, I)
     # Stage 2's K shares: within the atomic-add cap for 16-bit outputs, and none empty (shares take
     # ceil(steps / split) steps each, so the fewest shares of that length cover the steps).
@@ -532,6 +542,15 @@ class ConfigProblem:
     I: int  # expert intermediate size (the gate and up halves of w1 each have I rows)
     topk: int  # experts per token
     dtype: torch.dtype  # of the activations (and of 16-bit weights); fp8 weights: see ConfigMode.fp8
+    # 16-bit w1 read in place with N contiguous (transposed [E, H, 2I] views) and gate/up concatenated: picked
+    # configs get slices of at least MIN_WEIGHT_ROW_BYTES per K row (min_slice_columns); a caller's config is kept
+    n_contiguous_halves: bool = False
+
+
+def min_slice_columns(problem: ConfigProblem) -> int:
+    """The fewest columns of a slice (BLOCK_N) a 16-bit fit of ``problem`` keeps: ``MIN_WEIGHT_ROW_BYTES`` per K row
+    of a gate or up tile where ``problem.n_contiguous_halves``, else the smallest block (16)."""
+    return max(16, MIN_WEIGHT_ROW_BYTES // problem.dtype.itemsize) if problem.n_contiguous_halves else 16
 
 
 @dataclass(frozen=True)
@@ -679,7 +698,7 @@ def _plain_pick(problem: ConfigProblem, target: Target, path: str, tuned_for: Op
         if path == "auto" and cfg.path == "fused" and _fused_grid_too_small(rule, cfg, problem, target):
             path = "two_stage"
     return fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, path, target.backend,
-                      shared_memory=target.shared_memory)
+                      min_slice_columns(problem), shared_memory=target.shared_memory)
 
 
 def _fused_grid_too_small(rule: dict, cfg: FusedMoEConfig, problem: ConfigProblem, target: Target) -> bool:
@@ -693,7 +712,7 @@ def _fused_grid_too_small(rule: dict, cfg: FusedMoEConfig, problem: ConfigProble
     if per_sm is None:
         return False
     fused = fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, "fused", target.backend,
-                       shared_memory=target.shared_memory)
+                       min_slice_columns(problem), shared_memory=target.shared_memory)
     return fused_grid_programs(fused, problem.M, problem.E, problem.I, problem.topk) < per_sm * target.num_sms
 
 
@@ -717,13 +736,14 @@ def _deterministic_pick(problem: ConfigProblem, mode: ConfigMode, target: Target
         nearest = tuned_config(problem, tuned_for, config_dir, (None, "deterministic"))
         if nearest is not None:
             cfg = fit_config(replace(nearest, path="two_stage"), problem.H, problem.I, problem.topk, problem.dtype,
-                             "two_stage", target.backend, shared_memory=target.shared_memory)
+                             "two_stage", target.backend, min_slice_columns(problem),
+                             shared_memory=target.shared_memory)
         else:
             cfg = _plain_pick(problem, target, "two_stage", None, config_dir)
         return replace(cfg, S2_SPLIT_K=1)
     cfg = replace(FusedMoEConfig.from_dict(backend.deterministic_entry(rules, target)), path="two_stage", S2_SPLIT_K=1)
     return fit_config(cfg, problem.H, problem.I, problem.topk, problem.dtype, "two_stage", target.backend,
-                      shared_memory=target.shared_memory)
+                      min_slice_columns(problem), shared_memory=target.shared_memory)
 
 
 def get_config(

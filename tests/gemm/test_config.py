@@ -448,3 +448,39 @@ def test_an_expert_parallel_slice_takes_the_full_models_config():
     # where each gets 4 (16-row fused tiles).
     assert (pick(128, E // 8, E).BLOCK_M, pick(128, E // 8, E).path) == (16, "fused")
     assert (pick(128, E // 8, None).BLOCK_M, pick(128, E // 8, None).path) == (64, "two_stage")
+
+
+def test_n_contiguous_concatenated_weights_get_slices_of_whole_cache_lines(monkeypatch):
+    # Transposed (N-contiguous) [E, H, 2I] views with gate rows then up rows: each K row of a gate or up tile is
+    # BLOCK_N elements. The H200's gpt-oss-20b pick at M=1 and 8 (two-stage, BLOCK_N=32: 64-byte rows) compiled to
+    # the same sm_90 code for every layout and ran 1.20x slower at M=8 with these weights than K-contiguous ones
+    # (interleaved rows, 128 bytes: 0.99x). Picks take MIN_WEIGHT_ROW_BYTES per row there; other layouts and a
+    # caller's config are kept.
+    import importlib
+
+    from fmoe2.gemm.config import MIN_WEIGHT_ROW_BYTES
+    from fmoe2.gemm.launches import MoEProblem
+    from fmoe2.target import NAMED_TARGETS
+
+    fused_moe_module = importlib.import_module("fmoe2.gemm.fused_moe")  # (the package's name is the function)
+    monkeypatch.setattr(fused_moe_module, "device_config_name", lambda device=None: "NVIDIA_H200")
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    E, H, I, topk = 32, 2880, 2880, 4
+    k_contiguous = torch.empty(E, 2 * I, H, **meta)
+    n_contiguous = torch.empty(E, H, 2 * I, **meta).transpose(1, 2)
+
+    def pick(M, w1, interleaved, config=None, deterministic=False):
+        problem = MoEProblem(torch.empty(M, H, **meta), w1, torch.empty(E, H, I, **meta), interleaved, E, H, I, topk,
+                             deterministic=deterministic)
+        return fused_moe_module.pick_config(problem, config, "auto", NAMED_TARGETS["sm_90"])
+
+    wide = MIN_WEIGHT_ROW_BYTES // 2
+    for M in (1, 8):
+        plain = pick(M, k_contiguous, False)
+        assert (plain.path, plain.BLOCK_N) == ("two_stage", 32), plain
+        assert pick(M, n_contiguous, True) == plain
+        assert pick(M, n_contiguous, False) == replace(plain, BLOCK_N=wide)
+        assert pick(M, n_contiguous, False, deterministic=True).BLOCK_N == wide
+        assert pick(M, n_contiguous, False, config=plain) == plain  # the caller's choice
+    for M in (64, 4096):  # slices of 128 columns
+        assert pick(M, n_contiguous, False) == pick(M, k_contiguous, False)
