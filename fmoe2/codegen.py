@@ -148,6 +148,8 @@ def _report_cuda(compiled) -> dict:
         "atomic_instructions": atomics,
         "cas_loop": any(".CAS" in k for k in atomics),
         "tensor_copy_instructions": tensor_copies,  # UTMALDG: tiles loaded through tensor descriptors
+        # cp.async in the PTX: loads the software pipeliner stages through shared memory (num_stages deep)
+        "async_copies": len(re.findall(r"\bcp\.async\.c[ag]\b", compiled.asm["ptx"])),
         # griddepcontrol.wait / .launch_dependents: programmatic dependent launch (FusedMoEConfig.pdl)
         "grid_dependency_control": sorted(set(re.findall(r"griddepcontrol\.\w+", compiled.asm["ptx"]))),
         # global loads laid out before the first griddepcontrol.wait in the PTX (None without one): reads

@@ -58,6 +58,8 @@ def test_sm90_wgmma_native_vector_atomics_no_spills(shape):
         assert rep["registers"] <= 255
     # At M=1 the fused kernel casts its accumulator itself; at 4096 a cast launch follows it.
     assert ("cast", 1) not in r and not r[("cast", 4096)]["atomic_instructions"]
+    # The K loops' pointer loads go through the software pipeline (cp.async into shared memory)
+    assert r[("fused_moe", 1)]["async_copies"] >= 16 and r[("fused_moe_decode", 1)]["async_copies"] >= 16
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])
