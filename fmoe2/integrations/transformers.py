@@ -55,6 +55,9 @@ PROBE_ROWS, PROBE_COLUMNS, PROBE_SCALE = 8, 16, 12.0  # the check's random gate/
 # Where fmoe2.integrations.peft puts an experts module's adapters (an object whose call_arguments(num_tokens)
 # gives fused_moe's lora/token_lora_ids for the selected adapters, or {}).
 ADAPTERS_ATTRIBUTE = "fmoe2_adapters"
+# Where a loader that keeps an experts module's weights in a format of fmoe2's own puts them (a PreparedMoEWeights in
+# the instance dict, e.g. fmoe2.integrations.gpt_oss_mxfp4); the module then holds no gate_up_proj/down_proj.
+PREPARED_ATTRIBUTE = "fmoe2_prepared"
 REGISTERED_NAMES = set()  # the experts_implementation names that run this backend (register())
 
 
@@ -136,7 +139,8 @@ def check_gate(module, spec: ExpertsSpec) -> ExpertsSpec:
     any clamp), in either gate/up order; a mismatch becomes a fallback."""
     if spec.fallback:
         return spec
-    device = module.gate_up_proj.device
+    first = next(module.parameters(), None)  # (a module with prepared weights may hold biases only)
+    device = first.device if first is not None else torch.device("cpu")
     gen = torch.Generator(device="cpu").manual_seed(0)
     projection = (torch.randn(PROBE_ROWS, 2 * PROBE_COLUMNS, generator=gen) * PROBE_SCALE).to(device)
     try:
@@ -248,8 +252,12 @@ def _fallback(module, reason: str, hidden_states, top_k_index, top_k_weights, re
 
 def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``"fmoe2"`` experts backend: ``fmoe2.fused_moe`` on the module's parameters, in place."""
+    """The ``"fmoe2"`` experts backend: ``fmoe2.fused_moe`` on the module's parameters, in place (or on the prepared
+    weights a loader left at :data:`PREPARED_ATTRIBUTE`)."""
     spec = experts_spec(module)
+    prepared = module.__dict__.get(PREPARED_ATTRIBUTE)
+    if prepared is not None:
+        return _prepared_experts_forward(module, prepared, spec, hidden_states, top_k_index, top_k_weights)
     w1 = None if spec.fallback else _weight(module, "gate_up_proj")
     reason = spec.fallback or call_fallback_reason(module, hidden_states, w1, top_k_weights)
     # (set by fmoe2.integrations.peft as a plain attribute: in the instance dict, no __getattr__ miss)
@@ -271,6 +279,22 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
     return fused_moe(hidden_states, w1, w2, top_k_weights, top_k_index, activation=spec.activation,
                      gate_up_interleaved=spec.gate_up_interleaved, swiglu_alpha=spec.swiglu_alpha,
                      swiglu_limit=spec.swiglu_limit, **biases, **lora)
+
+
+def _prepared_experts_forward(module, prepared, spec: ExpertsSpec, hidden_states, top_k_index, top_k_weights):
+    """fused_moe on prepared weights (biases inside); no transformers backend can run them, so a call fmoe2 cannot
+    run raises, naming the reason."""
+    reason = spec.fallback or _runtime_fallback_reason(module, hidden_states, top_k_weights)
+    if reason:
+        raise RuntimeError(f"fmoe2 experts backend: {type(module).__name__} holds fmoe2's prepared "
+                           f"{prepared.weight_format} weights, which only fmoe2 runs, and this call cannot run on "
+                           f"fmoe2: {reason}")
+    adapters = module.__dict__.get(ADAPTERS_ATTRIBUTE)
+    lora = adapters.call_arguments(hidden_states) if adapters is not None else {}
+    if not hidden_states.is_contiguous():
+        hidden_states = hidden_states.contiguous()
+    return fused_moe(hidden_states, prepared, None, top_k_weights, top_k_index, activation=spec.activation,
+                     swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit, **lora)
 
 
 def fmoe2_fp8_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -316,4 +340,4 @@ def register(name: str = BACKEND_NAME) -> str:
 register()
 
 __all__ = ["register", "fmoe2_experts_forward", "fmoe2_fp8_experts_forward", "experts_spec", "classify", "check_gate", "ExpertsSpec",
-           "BACKEND_NAME", "ADAPTERS_ATTRIBUTE", "REGISTERED_NAMES"]
+           "BACKEND_NAME", "ADAPTERS_ATTRIBUTE", "PREPARED_ATTRIBUTE", "REGISTERED_NAMES"]
