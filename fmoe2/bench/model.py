@@ -41,6 +41,9 @@ MODELS = {
     "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
                                     num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
                                     vocab_size=201088, sliding_window=128, max_position_embeddings=4096)),
+    "gpt-oss-120b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                                     num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+                                     vocab_size=201088, sliding_window=128, max_position_embeddings=4096)),
     # Qwen1.5-MoE-A2.7B (qwen2_moe: a shared expert beside the routed ones) and OLMoE-1B-7B
     "qwen1.5-moe-a2.7b": ("qwen2_moe", dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
                                             shared_expert_intermediate_size=5632, num_attention_heads=16,

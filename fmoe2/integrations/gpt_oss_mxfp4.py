@@ -161,6 +161,44 @@ def load_gpt_oss_mxfp4(path: str, device: Union[str, torch.device, None] = None,
     return model
 
 
+MXFP4_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def save_mxfp4_checkpoint(model, folder: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Saves a (16- or 32-bit) gpt-oss ``model`` to ``folder`` as the published mxfp4 checkpoints are: each experts
+    module's ``gate_up_proj`` / ``down_proj`` quantized (:func:`fmoe2.quant4.quantize_mxfp4`, the blocks of its
+    ``[E, N, K]`` rows) as ``*_blocks [E, N, K // 32, 16]`` and ``*_scales [E, N, K // 32]`` uint8, the other
+    tensors in ``dtype``, and the config with ``quantization_config`` mxfp4 (one ``model.safetensors``)."""
+    from safetensors.torch import save_file
+
+    from ..quant4 import quantize_mxfp4
+
+    _mxfp4_config_free(model.config)
+    experts = _experts_modules(model)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        owner, _, leaf = name.rpartition(".")
+        if owner in experts and leaf in ("gate_up_proj", "down_proj"):
+            rows = tensor.transpose(1, 2) if getattr(experts[owner], "is_transposed", False) else tensor
+            packed, scales = quantize_mxfp4(rows.float().contiguous())
+            tensors[name + "_blocks"] = packed.reshape(*packed.shape[:2], -1, 16).contiguous().cpu()
+            tensors[name + "_scales"] = scales.contiguous().cpu()
+        else:
+            tensors[name] = tensor.to(dtype).contiguous().cpu()
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = type(model.config).from_dict(model.config.to_dict())
+    config.quantization_config = dict(MXFP4_QUANTIZATION_CONFIG)
+    config.save_pretrained(folder)
+
+
+def _mxfp4_config_free(config) -> None:
+    if getattr(config, "model_type", None) != "gpt_oss":
+        raise ValueError(f"save_mxfp4_checkpoint saves gpt-oss models (model_type 'gpt_oss'), got model_type "
+                         f"{getattr(config, 'model_type', None)!r}")
+
+
 def experts_bytes(model) -> Tuple[int, int]:
     """``(bytes, values)`` of the model's prepared mxfp4 experts: weights and scales, and the weight values they
     hold (padding included)."""

@@ -12,41 +12,21 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from fmoe2.integrations import transformers as backend  # noqa: E402
-from fmoe2.integrations.gpt_oss_mxfp4 import experts_bytes, load_gpt_oss_mxfp4  # noqa: E402
-from fmoe2.quant4 import quantize_mxfp4  # noqa: E402
+from fmoe2.integrations.gpt_oss_mxfp4 import experts_bytes, load_gpt_oss_mxfp4, save_mxfp4_checkpoint  # noqa: E402
 from helpers import DEVICE, rel_error  # noqa: E402
 from tiny_models import available, build  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available("gpt_oss"), reason="gpt_oss is not in this transformers")
 
 INPUT_IDS = torch.tensor([[3, 17, 99, 5, 42, 8, 120], [7, 7, 64, 1, 88, 15, 2]])
-MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                     "model.embed_tokens", "lm_head"]}
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-
-
-def save_mxfp4_checkpoint(folder: str, quantization_config=MXFP4_CONFIG) -> None:
-    """A tiny random gpt-oss (2 layers, 4 experts, H = I = 64) saved as the published mxfp4 checkpoints are."""
-    model = build("gpt_oss", sizes=dict(hidden_size=64, intermediate_size=64))
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            rows = tensor.transpose(1, 2).contiguous()  # gpt-oss stores [E, K, N]; the blocks are [E, N, K]
-            packed, scales = quantize_mxfp4(rows)
-            tensors[name + "_blocks"] = packed.reshape(*packed.shape[:2], -1, 16).contiguous()
-            tensors[name + "_scales"] = scales.contiguous()
-        else:
-            tensors[name] = tensor.to(torch.bfloat16).contiguous()
-    os.makedirs(folder, exist_ok=True)
-    safetensors_torch.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    model.config.quantization_config = quantization_config
-    model.config.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    """A tiny random gpt-oss (2 layers, 4 experts, H = I = 64) saved as the published mxfp4 checkpoints are."""
     folder = str(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
-    save_mxfp4_checkpoint(folder)
+    save_mxfp4_checkpoint(build("gpt_oss", sizes=dict(hidden_size=64, intermediate_size=64)), folder)
     return folder
 
 
@@ -54,7 +34,8 @@ def test_the_experts_stay_in_4_bits_and_compute_what_transformers_dequantized_fo
     ours = load_gpt_oss_mxfp4(checkpoint, device=DEVICE, dtype=DTYPE)
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=DTYPE,
                                                                   experts_implementation="eager").to(DEVICE).eval()
-    assert not any("experts.gate_up_proj" == n.rsplit(".", 1)[-1] for n, _ in ours.named_parameters())
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n, _ in ours.named_parameters())
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in reference.named_parameters())
     experts = [m for m in ours.modules() if backend.PREPARED_ATTRIBUTE in m.__dict__]
     assert len(experts) == 2 and all(m.__dict__[backend.PREPARED_ATTRIBUTE].weight_format == "mxfp4" for m in experts)
     total, values = experts_bytes(ours)
@@ -94,3 +75,19 @@ def test_other_checkpoints_get_a_clear_error(tmp_path, checkpoint):
         load_gpt_oss_mxfp4(str(broken), device=DEVICE)
     with pytest.raises(TypeError, match="dtype"):
         load_gpt_oss_mxfp4(checkpoint, device=DEVICE, dtype="bf16")
+    with pytest.raises(ValueError, match="model_type 'gpt_oss'"):
+        save_mxfp4_checkpoint(build("mixtral"), str(tmp_path / "mixtral"))
+
+
+def test_the_decode_benchmark_report_compares_the_4_bit_model_with_the_best_bf16_run():
+    from fmoe2.bench.gpt_oss_mxfp4 import markdown
+
+    result = dict(device="GPU", date="d", torch="t", triton="tr", command="c", model="gpt-oss-120b", layers=4,
+                  prompt=64, new_tokens=32, rounds=3, experts_bits_per_value=4.25,
+                  model_bytes=dict(mxfp4=2 * 2**30, bf16=8 * 2**30), logits_rel_err=3e-3, logits_rel_err_bf16_fmoe2=2e-3,
+                  runs=["mxfp4 fmoe2", "bf16 fmoe2", "bf16 grouped_mm"],
+                  rows=[dict(batch=1, tokens_per_s={"mxfp4 fmoe2": 300.0, "bf16 fmoe2": 200.0, "bf16 grouped_mm": 150.0}),
+                        dict(batch=8, tokens_per_s={"mxfp4 fmoe2": 900.0, "bf16 fmoe2": 1000.0, "bf16 grouped_mm": None})])
+    text = markdown(result)
+    assert "4.250 bits per value" in text and "mxfp4 2.00 GiB, dequantized bf16 8.00 GiB" in text
+    assert "| 1 | 300.0 | 200.0 | 150.0 | 1.50x |" in text and "| 8 | 900.0 | 1000.0 | error | 0.90x |" in text
