@@ -7,10 +7,12 @@
 For each kernel and batch size it prints one JSON object: the config, registers (VGPRs/AGPRs on
 AMD), spills, shared memory / LDS bytes, the matrix instructions found and the instructions the
 atomic adds into the output lower to (a CAS loop shows as ``cas_loop: true``) and, on CUDA, the
-programmatic-dependent-launch instructions and the global loads laid out before the wait. The fused kernel
-is compiled exactly as :func:`fmoe2.fused_moe` would launch it (same arguments, constexprs,
-options and the divisibility hints Triton's JIT derives), from meta tensors, so no GPU and no
-memory of real size is needed. This is how ROCm support is checked without an AMD GPU.
+programmatic-dependent-launch instructions and the global loads laid out before the wait. Every launch is
+built by the functions :func:`fmoe2.fused_moe` builds its own with (the config picker, ``build_plan``,
+``MoEPlan.specs``, ``decode_launch``: :func:`forward_launches`; tests/test_codegen_launches.py compares them with a
+forward's for every weight format and path) and compiled with the arguments, constexprs, options and the
+divisibility hints Triton's JIT derives, from meta tensors, so no GPU and no memory of real size is needed. This is
+how ROCm support is checked without an AMD GPU.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
-from typing import Dict, List, Optional
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -35,17 +38,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._validation import interpreter_requested
 from .formats import WEIGHT_FORMATS
-from .fp8 import DEFAULT_BLOCK_SHAPE, FP8_GROUP, SCHEMES, fp8_constexprs, weight_scale_view
-from .gemm.config import ConfigMode, ConfigProblem, resolve_config
-from .gemm.launches import (MoEProblem, TwoStageWorkspace, accumulates_fp32, combine_launch, decode_launch,
-                            decodes_in_one_launch, deltas_in_stages, forward_specs, fused_kernel_casts,
-                            fused_kernel_launch, lora_expand_launch, lora_shrink_launch, stage2_kernel_launch)
+from .fp8 import DEFAULT_BLOCK_SHAPE, SCHEMES, weight_scale_view
+from .gemm.config import FusedMoEConfig, resolve_config
+from .gemm.fused_moe import config_problem
+from .gemm.launches import MoEProblem, decode_launch, deltas_in_stages
+from .gemm.plan import MoEPlan, build_plan
 from .gemm.layout import _round_up
 from .gemm.lora import PreparedMoELoRA, padded_rank
 from .launch import LaunchSpec
 from .shapes import SHAPES
-from .sorting.moe_sorting import MoESortingResult, sort_launch_specs, x_quantization_values
-from .target import NAMED_TARGETS
+from .target import NAMED_TARGETS, Target
 
 # Triton's compile targets of the named GPUs (fmoe2.target.NAMED_TARGETS: A100, H100/H200 SXM, B200,
 # MI250X (one die), MI300X, MI355X).
@@ -308,119 +310,144 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     ``deterministic_stage1``, ``deterministic_stage2``, ``deterministic_combine``), with adapters of
     ``lora_rank`` where given.
     """
+    target = TARGETS[target_name]
+    E, H, inter, topk = shape
+    common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
+              "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
+    launches = codegen_launches(NAMED_TARGETS[target_name], shape, M, dtype, prepared, activation, lora_rank,
+                                num_loras, tma, pdl, fp8, deterministic, tuned_for, weights, tail_m)
+    extra = {}
+    if weights:
+        extra["weights"] = {"format": weights, "group": packed_group(weights, H, inter)}
+    if fp8:
+        weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
+        extra["fp8"] = {"scheme": fp8, "weight_dtype": str(weight_dtype).replace("torch.", "")}
+    if lora_rank:
+        lora = {"lora": {"rank": lora_rank, "num_loras": num_loras}}
+    reports = []
+    for launch in launches:
+        report = {"kernel": launch.kernel, **common, **extra}
+        if launch.lora:
+            report.update(lora)
+        if launch.chunk_size is not None:
+            report["chunk_size"] = launch.chunk_size
+        if launch.config is not None:
+            report["config"] = launch.config.to_dict()
+        reports.append({**report, **_compile_spec(launch.spec, target)})
+    return reports
+
+
+@dataclass(frozen=True)
+class CodegenLaunch:
+    """One launch the report compiles: its report name, the launch, the config of the forward it belongs to (None
+    for a sort and the cast, which do not take its tiles), the sort's chunk size (None for the others), and whether
+    it carries adapters."""
+
+    kernel: str
+    spec: LaunchSpec
+    config: Optional[FusedMoEConfig]
+    chunk_size: Optional[int] = None
+    lora: bool = False
+
+
+# Report names of the forward's launches (LaunchSpec.name); the LoRA launches keep theirs.
+REPORT_NAMES = {"sort": "moe_sorting", "sort_count": "moe_sorting_count", "fused": "fused_moe",
+                "stage1": "fused_moe_stage1", "stage2": "moe_stage2", "cast": "cast"}
+
+
+def forward_launches(problem: MoEProblem, config: FusedMoEConfig, target: Target, activation: str
+                     ) -> Tuple[MoEPlan, List[LaunchSpec], Optional[LaunchSpec]]:
+    """The plan, the launches and the one-launch decode (None where the plan has none) of a forward of ``problem``
+    with the fitted ``config`` on ``target``, built by the functions :func:`fmoe2.fused_moe` builds its own with
+    (:func:`fmoe2.gemm.plan.build_plan`, ``MoEPlan.specs``, ``launches.decode_launch``), on the meta device."""
+    meta = dict(device="meta")
+    M = problem.num_tokens
+    out = torch.empty(M, problem.hidden_size, dtype=problem.x.dtype, **meta)
+    topk_ids = torch.empty(M, problem.topk, dtype=torch.int32, **meta)
+    topk_weights = torch.empty(M, problem.topk, dtype=torch.float32, **meta)
+    plan = build_plan(problem, activation, config, target, topk_weights, topk_ids, out, None, bindable=False)
+    block = torch.empty(plan.scratch_bytes, dtype=torch.uint8, **meta)
+    specs = plan.specs(problem, topk_weights, topk_ids, out, None, block)
+    decode = None
+    if plan.decodes:
+        kept = torch.empty(plan.decode_numel, dtype=torch.float32, **meta)
+        decode = decode_launch(problem, topk_weights, topk_ids, activation, out, None, config, target, kept)
+    return plan, specs, decode
+
+
+def codegen_launches(named: Target, shape, M: int, dtype: torch.dtype = torch.bfloat16, prepared: bool = True,
+                     activation: str = "silu", lora_rank: int = 0, num_loras: int = 4, tma: bool = False,
+                     pdl: bool = False, fp8: str = "", deterministic: bool = False, tuned_for: Optional[str] = None,
+                     weights: str = "", tail_m: int = 0, path: str = "auto") -> List[CodegenLaunch]:
+    """The launches :func:`codegen_report` compiles (its arguments; ``named``: the target's
+    :class:`~fmoe2.target.Target`), each built as the forward builds it (:func:`forward_launches`): the fused path's
+    forward (its sort, ``fused_moe`` and its ``cast``) and one-launch decode; with ``lora_rank``, the fused path's
+    forward with adapters (``*_lora``); where the config picked for ``path`` ("auto", or "two_stage" to force it) is
+    two-stage, that forward's launches after its sort. Deterministic mode: its one forward, named
+    ``deterministic_<launch>``."""
     if fp8 and fp8 not in SCHEMES:
         raise ValueError(f"fp8 must be one of {SCHEMES} or empty, got {fp8!r}")
     if fp8 and lora_rank:
         raise ValueError("fp8 weights do not take LoRA adapters yet")
     if weights and (weights not in PACKED_GROUPS or fp8 or not prepared):
         raise ValueError(f"weights must be one of {tuple(PACKED_GROUPS)} (prepared, without fp8), got {weights!r}")
-    target = TARGETS[target_name]
-    named = NAMED_TARGETS[target_name]
     E, H, inter, topk = shape
     meta = dict(device="meta")
+    target_name = next((n for n, t in NAMED_TARGETS.items() if t is named), named.backend)
     x = torch.empty(M, H, dtype=dtype, **meta)
-    w1, w2, scales, weight_dtype = _meta_weights(target_name, E, H, inter, dtype, prepared, fp8, weights)
-    topk_ids = torch.empty(M, topk, dtype=torch.int32, **meta)
-    topk_weights = torch.empty(M, topk, dtype=torch.float32, **meta)
-    problem_shape = ConfigProblem(M, E, H, inter, topk, dtype)
+    w1, w2, scales, _ = _meta_weights(target_name, E, H, inter, dtype, prepared, fp8, weights)
+    problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk, **scales)
+    problem.deterministic = deterministic
+    lora_problem = None
+    if lora_rank:
+        lora_problem = dataclasses.replace(problem, lora=_meta_lora(num_loras, E, H, inter, lora_rank, dtype),
+                                           token_lora_ids=torch.empty(M, dtype=torch.int32, **meta))
 
-    def resolve(path, lora=False):  # what fused_moe runs there (griddepcontrol needs sm_90; fp8 keeps pointer loads)
-        cfg = resolve_config(problem_shape, ConfigMode(lora, bool(fp8), deterministic, weights or "16bit"), named,
-                             path=path, tuned_for=tuned_for)
+    def resolve(problem, path):  # the picker's config; the report's tail, tma and pdl options on top
+        config_shape, mode = config_problem(problem)
+        cfg = resolve_config(config_shape, mode, named, path=path, tuned_for=tuned_for)
         if tail_m and cfg.path == "two_stage" and not fp8 and tail_m < cfg.BLOCK_M:
             cfg = replace(cfg, TAIL_M=tail_m)
         return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8 and not weights,
                                                  pdl=(cfg.pdl or pdl) and named.has_grid_dependency_control)
 
-    config = resolve("auto", lora=bool(lora_rank))
-    fused_config = config if deterministic else resolve("fused")
-    pdl = fused_config.pdl
-    problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk, **scales)
-    common = {"target": target_name, "shape": {"E": E, "H": H, "I": inter, "topk": topk}, "M": M,
-              "dtype": str(dtype).replace("torch.", ""), "prepared_weights": prepared}
-    quantized_x = x_quantization = None
-    if weights:
-        common["weights"] = {"format": weights, "group": packed_group(weights, H, inter)}
-    if fp8:
-        common["fp8"] = {"scheme": fp8, "weight_dtype": str(weight_dtype).replace("torch.", "")}
-        quantized_x = (torch.empty(M, H, dtype=weight_dtype, **meta),
-                       torch.empty(M, -(-H // FP8_GROUP), dtype=torch.float32, **meta))
-        x_quantization = x_quantization_values(x, *quantized_x, fp8_constexprs(weight_dtype, interpreter=False))
-    reports = []
+    out: List[CodegenLaunch] = []
+    names = set()
+
+    def add(plan, specs, lora, rename, skip=()):
+        for spec in specs:
+            if spec.name in skip:
+                continue
+            kernel = rename(spec.name)
+            if kernel in names:
+                continue
+            names.add(kernel)
+            tiled = not spec.name.startswith("sort") and spec.name != "cast"  # (the config's tiles: GEMM launches)
+            out.append(CodegenLaunch(kernel, spec, plan.config if tiled else None,
+                                     plan.chunk_size if spec.name == "sort" else None, lora))
+
     if deterministic:
-        problem.deterministic = True
-        if lora_rank:
-            problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
-            problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
-            common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
-        sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
-                                            count_lora_tokens=problem.lora is not None)
-        workspace = TwoStageWorkspace.allocate(problem, sorting, config, named)
-        for spec in forward_specs(problem, topk_weights, topk_ids, activation, x, None, config, named, sorting,
-                                  workspace, quantized_x):
-            reports.append({"kernel": "deterministic_" + spec.name, **common, "config": config.to_dict(),
-                            **_compile_spec(spec, target)})
-        return reports
-
-    def sort_reports(name, sorting, **lora_args):
-        for spec in sort_launch_specs(topk_ids, topk_weights, E, None, sorting, x, launch_dependents=pdl,
-                                      num_compute_units=named.num_sms, x_quantization=x_quantization, **lora_args):
-            kernel = name + "_count" if spec.name == "sort_count" else name
-            extra = {} if spec.name == "sort_count" else {"chunk_size": sorting.chunk_size}
-            reports.append({"kernel": kernel, **common, **extra, **_compile_spec(spec, target)})
-
-    sorting = MoESortingResult.allocate(M * topk, E, fused_config.BLOCK_M, M, "meta")
-    sort_reports("moe_sorting", sorting)
-    # The fused path's atomic adds go to a float32 accumulator where accumulates_fp32 says so; the fused kernel
-    # casts it up to KERNEL_CAST_MAX_TOKENS tokens (fused_kernel_casts), a cast launch above.
-    accumulator = torch.empty(M, H, dtype=torch.float32, **meta)
-
-    def fused_launch(cfg, sorting, quantized_x=None):
-        if fused_kernel_casts(problem, cfg):
-            return fused_kernel_launch(problem, accumulator, sorting, activation, cfg, named, quantized_x=quantized_x,
-                                       cast_to=x, topk_ids=topk_ids)
-        return fused_kernel_launch(problem, accumulator if accumulates_fp32(problem, cfg) else x, sorting, activation,
-                                   cfg, named, quantized_x=quantized_x)
-
-    reports.append({"kernel": "fused_moe", **common, "config": fused_config.to_dict(),
-                    **_compile_spec(fused_launch(fused_config, sorting, quantized_x), target)})
-    if accumulates_fp32(problem, fused_config) and not fused_kernel_casts(problem, fused_config):
-        reports.append({"kernel": "cast", **common,
-                        **_compile_spec(combine_launch(problem, x, accumulator, None, None), target)})
-    if decodes_in_one_launch(problem, fused_config):  # eager calls of one token: the fused kernel alone
-        kept = torch.empty(H + 1, dtype=torch.float32, **meta)
-        reports.append({"kernel": "fused_moe_decode", **common, "config": fused_config.to_dict(),
-                        **_compile_spec(decode_launch(problem, topk_weights, topk_ids, activation, x, None,
-                                                      fused_config, named, kept), target)})
-    suffix = ""
-    if lora_rank:
-        problem.lora = _meta_lora(num_loras, E, H, inter, lora_rank, dtype)
-        problem.token_lora_ids = torch.empty(M, dtype=torch.int32, **meta)
-        common["lora"] = {"rank": lora_rank, "num_loras": num_loras}
-        suffix = "_lora"
-        lora_config = resolve("fused", lora=True)
-        sorting = MoESortingResult.allocate(M * topk, E, lora_config.BLOCK_M, M, "meta", count_lora_tokens=True)
-        sort_reports("moe_sorting_lora", sorting, token_lora_ids=problem.token_lora_ids, num_loras=num_loras)
-        reports.append({"kernel": "fused_moe_lora", **common, "config": lora_config.to_dict(),
-                        **_compile_spec(fused_launch(lora_config, sorting), target)})
+        chosen = lora_problem or problem
+        plan, specs, _ = forward_launches(chosen, resolve(chosen, "auto"), named, activation)
+        add(plan, specs, lora_problem is not None, lambda n: "deterministic_" + n)
+        return out
+    plan, specs, decode = forward_launches(problem, resolve(problem, "fused"), named, activation)
+    add(plan, specs, False, lambda n: REPORT_NAMES.get(n, n))
+    if decode is not None:  # eager calls of one token: the fused kernel alone
+        add(plan, [replace(decode, name="decode")], False, lambda n: "fused_moe_decode")
+    if lora_problem is not None:
+        plan, specs, _ = forward_launches(lora_problem, resolve(lora_problem, "fused"), named, activation)
+        add(plan, specs, True, lambda n: {"sort": "moe_sorting_lora", "sort_count": "moe_sorting_lora_count",
+                                          "fused": "fused_moe_lora"}.get(n, n), skip=("cast",))
+    chosen = lora_problem or problem
+    config = resolve(chosen, path)
     if config.path == "two_stage":
-        sorting = MoESortingResult.allocate(M * topk, E, config.BLOCK_M, M, "meta",
-                                            count_lora_tokens=problem.lora is not None)
-        in_stages = deltas_in_stages(problem, config)
-        workspace = TwoStageWorkspace.allocate(problem, sorting, config, named)
-        if problem.lora is not None and not in_stages:
-            for down in (False, True):
-                for spec in (lora_shrink_launch(problem, sorting, workspace, down, named, config.pdl),
-                             lora_expand_launch(problem, sorting, workspace, x, down, named, config.pdl)):
-                    reports.append({"kernel": spec.name, **common, "config": config.to_dict(),
-                                    **_compile_spec(spec, target)})
-        spec = fused_kernel_launch(problem, x, sorting, activation, config, named, workspace, quantized_x)
-        reports.append({"kernel": "fused_moe_stage1" + suffix, **common, "config": config.to_dict(),
-                        **_compile_spec(spec, target)})
-        spec = stage2_kernel_launch(problem, x, sorting, workspace, config, named)
-        reports.append({"kernel": "moe_stage2" + (suffix if in_stages else ""), **common, "config": config.to_dict(),
-                        **_compile_spec(spec, target)})
-    return reports
+        suffix = "_lora" if lora_problem is not None else ""
+        in_stages = lora_problem is not None and deltas_in_stages(chosen, config)
+        plan, specs, _ = forward_launches(chosen, config, named, activation)
+        stage_names = {"stage1": "fused_moe_stage1" + suffix, "stage2": "moe_stage2" + (suffix if in_stages else "")}
+        add(plan, specs, lora_problem is not None, lambda n: stage_names.get(n, n), skip=("sort", "sort_count", "cast"))
+    return out
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,9 @@ from ..target import Target
 PIPELINE_ELEMENTS = 3 * 32768
 MIN_WIDENED_STAGES = 3
 LAUNCH_OPTIONS = ()  # FusedMoEConfig fields passed to a launch besides warps and stages
+# Whether a config's ``tma`` may load weight tiles through tensor descriptors (launches.tma_enabled): Triton lowers
+# them to the bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80.
+TENSOR_DESCRIPTOR_WEIGHTS = True
 
 
 def default_rules(defaults: dict, target: Target) -> list:

@@ -492,15 +492,22 @@ def clear_plans() -> None:
     PLANS.clear()
 
 
-def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
-    """The fitted config a forward of ``problem`` runs on ``target``: :func:`~fmoe2.gemm.config.resolve_config`'s
-    (``config``: the caller's, or None), reading the tuned files of the GPU that holds ``problem``'s tensors."""
+def config_problem(problem: MoEProblem) -> Tuple[ConfigProblem, ConfigMode]:
+    """What the config resolver reads of a forward's ``problem``: its sizes (and how its weights are laid out) and
+    its mode."""
     mode = ConfigMode(lora=problem.lora is not None, fp8=problem.fp8, deterministic=problem.deterministic,
                       weight_format=problem.weight_format)
     w1 = problem.w1  # (N-contiguous, gate/up concatenated 16-bit weights: slices of whole cache lines per K row)
     halves = not problem.gate_up_interleaved and w1.stride(1) == 1 and w1.stride(2) != 1 and w1.dtype == problem.x.dtype
     shape = ConfigProblem(problem.num_tokens, problem.routed_experts or problem.num_experts, problem.hidden_size,
                           problem.intermediate_size, problem.topk, problem.x.dtype, n_contiguous_halves=halves)
+    return shape, mode
+
+
+def pick_config(problem: MoEProblem, config: Optional[FusedMoEConfig], path: str, target: Target) -> FusedMoEConfig:
+    """The fitted config a forward of ``problem`` runs on ``target``: :func:`~fmoe2.gemm.config.resolve_config`'s
+    (``config``: the caller's, or None), reading the tuned files of the GPU that holds ``problem``'s tensors."""
+    shape, mode = config_problem(problem)
     return resolve_config(shape, mode, target, config, path=path, tuned_for=device_config_name(problem.x.device))
 
 

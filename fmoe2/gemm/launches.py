@@ -28,7 +28,7 @@ from ..launch import LaunchSpec, kernel_parameters
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
 from ..target import Target
 from .combine_kernel import _cast_rows_kernel, _combine_slots_kernel
-from .config import LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
+from .config import BACKENDS, LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
 from . import fp8_weights
 from .fused_moe_kernel import _fused_cast_kernel, _fused_kernel, _fused_lora_kernel, _stage1_kernel, _stage1_lora_kernel
 from .grouped_gemm_kernel import _stage2_kernel
@@ -175,12 +175,12 @@ TMA_MAX_BLOCK = 256  # largest tensor-descriptor block dimension (a hardware lim
 
 def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, target: Target) -> bool:
     """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared 16-bit
-    weights (rows padded to 16 bytes, as descriptors need) on CUDA. Triton lowers descriptors to the
-    bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80; for gfx942 a descriptor
-    load compiled to 2-byte loads, so HIP keeps its pointer loads. fp32 (a testing dtype) keeps
+    weights (rows padded to 16 bytes, as descriptors need) on a backend whose rules take them
+    (``TENSOR_DESCRIPTOR_WEIGHTS`` of ``config_cuda.py`` / ``config_hip.py``). fp32 (a testing dtype) keeps
     pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90.
     fp8 and 4-bit weights keep pointer loads (descriptors not measured with them yet)."""
-    return (config.tma and target.backend == "cuda" and problem.gate_up_interleaved and problem.w1.dtype == problem.x.dtype
+    return (config.tma and BACKENDS[target.backend].TENSOR_DESCRIPTOR_WEIGHTS and problem.gate_up_interleaved
+            and problem.w1.dtype == problem.x.dtype
             and problem.x.dtype in (torch.bfloat16, torch.float16)
             and problem.w1.is_contiguous() and problem.w2.is_contiguous())
 
