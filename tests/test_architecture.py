@@ -5,7 +5,9 @@
   not take;
 * the plain 16-bit fused entry kernel takes at most 40 parameters (constexprs included);
 * no function in ``fmoe2/`` outside ``fmoe2/bench/`` is longer than 150 lines;
-* the benchmark's gathered-GEMM modes are in no product kernel.
+* the benchmark's gathered-GEMM modes are in no product kernel;
+* no call of a ``@triton.jit`` function passes a literal (``True``, ``None``, ``16``) positionally: a flag says
+  its name at the call (``WITH_LORA=False``), so a reader need not count parameters (issue 57).
 """
 import ast
 import pathlib
@@ -65,3 +67,18 @@ def test_no_product_kernel_keeps_a_benchmark_mode():
     for path, node in _entry_kernels(include_bench=False):
         names = {a.arg for a in node.args.args}
         assert not names & {"GATHER_A", "A_ROW_DIVISOR", "MUL_ROUTED_WEIGHT"}, (path.name, node.name)
+
+
+def _jit_functions():
+    return {node.name for _, tree in _modules(include_bench=True) for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and _is_jit(node)}
+
+
+def test_no_jit_call_passes_a_literal_flag_positionally():
+    jit = _jit_functions()
+    found = [f"{path.relative_to(ROOT)}:{node.lineno} {node.func.id}({', '.join(map(ast.unparse, literal))})"
+             for path, tree in _modules(include_bench=True) for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in jit
+             for literal in [[a for a in node.args if isinstance(a, ast.Constant)
+                              and (a.value is None or isinstance(a.value, (bool, int)))]] if literal]
+    assert not found, found

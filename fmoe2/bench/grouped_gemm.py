@@ -38,9 +38,9 @@ def _gathered_gemm_kernel(
     WEIGHT_GROUP: tl.constexpr = 1,  # K columns per scale of 4-bit B
 ):
     """Grid: (num_grid_tiles * cdiv(N, BLOCK_N),)."""
-    expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(
-        sorted_ids_ptr, expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N,
-        BLOCK_K, GROUP_M, 1, ATOMIC_OUTPUT, False)
+    expert, tile, n_block, k_first, k_end, offs_m, row_id, row_valid, offs_n, n_valid = _stage2_program(sorted_ids_ptr,
+        expert_ids_ptr, num_sorted_tiles_ptr, num_valid_ids, N, K, num_grid_tiles, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        SPLIT_K=1, ATOMIC_OUTPUT=ATOMIC_OUTPUT, PDL=False)
     if expert < 0:
         return
     a_row = row_id // A_ROW_DIVISOR
@@ -48,18 +48,22 @@ def _gathered_gemm_kernel(
     if b_scale_ptr is not None:
         acc = _tile_gemm_fp8(a_ptr + a_row[:, None] * stride_a_m, a_scale_ptr + a_row * stride_as_m, row_valid, b_rows,
                              b_scale_ptr + expert * stride_bs_e + (offs_n // SCALE_BLOCK_N) * stride_bs_n, n_valid,
-                             stride_b_k, stride_bs_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K, 448.0, False,
-                             0.015625, 0.001953125, SCALE_BLOCK_K)
+                             stride_b_k, stride_bs_k, k_first, k_end, K, BLOCK_M, BLOCK_N, BLOCK_K, 448.0,
+                             SOFT_FP8_ROUNDING=False, FP8_MIN_NORMAL=0.015625, FP8_SUBNORMAL_STEP=0.001953125,
+                             SCALE_BLOCK_K=SCALE_BLOCK_K)
     else:  # 16-bit B, or 4-bit B dequantized in the K loop (as vLLM's wna16 kernel does)
         bs_rows = None
         if b_group_scale_ptr is not None:
             bs_expert, stride_bs_group_n = _expert_scales(b_ptr, b_group_scale_ptr, expert, stride_b_e, stride_b_n,
                                                           WEIGHT_GROUP)
             bs_rows = bs_expert + offs_n * stride_bs_group_n
-        acc = _tile_gemm_16bit(a_ptr + a_row[:, None] * stride_a_m, None, 0, row_valid, b_ptr + expert * stride_b_e,
-                               offs_n, None, 0, n_valid, stride_b_n, stride_b_k, k_first, k_end, K, bs_rows, BLOCK_M,
-                               BLOCK_N, BLOCK_K, WEIGHT_GROUP)
-    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, None, offs_m, offs_n, n_valid, k_first)
+        acc = _tile_gemm_16bit(a_ptr + a_row[:, None] * stride_a_m, a_desc=None, a_row0=0, row_valid=row_valid,
+                               b_expert=b_ptr + expert * stride_b_e, offs_n=offs_n, b_desc=None, b_row0=0,
+                               n_valid=n_valid, stride_b_n=stride_b_n, stride_b_k=stride_b_k, k_first=k_first,
+                               k_end=k_end, K=K, bs_rows=bs_rows, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                               WEIGHT_GROUP=WEIGHT_GROUP)
+    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr=None, offs_m=offs_m, offs_n=offs_n,
+                    n_valid=n_valid, k_first=k_first)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + row_id, mask=row_valid, other=0.0)[:, None]
     _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)

@@ -51,8 +51,9 @@ def _combine_slots_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for slot in tl.static_range(TOPK):  # slot order: the one order of the additions
         entry = offs_t * TOPK + slot
-        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, None, entry, t_valid, num_global_experts, 0,
-                               NUM_EXPERTS, expert_map_ptr is not None, TOPK, False)
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr=None, offs=entry, valid=t_valid,
+                               num_global_experts=num_global_experts, num_loras=0, NUM_EXPERTS=NUM_EXPERTS,
+                               HAS_EXPERT_MAP=expert_map_ptr is not None, TOPK=TOPK, LORA_KEYS=False)
         kept = key < NUM_EXPERTS
         row = tl.load(slot_rows_ptr + entry[:, None] * stride_slot_m + offs_h[None, :],
                       mask=kept[:, None] & h_valid[None, :], other=0.0)

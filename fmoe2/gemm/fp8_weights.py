@@ -152,8 +152,9 @@ def _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, e
                             w1_ptr + expert * stride_w1_e, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid,
                             I, H, w1_scale_ptr + expert * stride_s1_e, stride_s1_n, stride_s1_k, BLOCK_M, BLOCK_N,
                             BLOCK_K, GATE_UP_INTERLEAVED, SCALE_BLOCK_N, SCALE_BLOCK_K)
-    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, None, DTYPE,
-                   ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
+    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc=None,
+                   dtype=DTYPE, ACTIVATION=ACTIVATION, SWIGLU_ALPHA=SWIGLU_ALPHA, SWIGLU_LIMIT=SWIGLU_LIMIT,
+                   GATE_UP_INTERLEAVED=GATE_UP_INTERLEAVED)
     return y, offs_n, n_valid
 
 
@@ -192,9 +193,12 @@ def _fused_fp8_kernel(
         if _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
                                  num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, TOPK, NUM_EXPERTS):
             return
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr, None,
-        expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, I, num_grid_tiles, num_global_experts, BLOCK_M, BLOCK_N, GROUP_M, TOPK, NUM_EXPERTS, 1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr,
+        topk_weights_ptr=None, expert_map_ptr=expert_map_ptr, sorted_token_ids_ptr=sorted_token_ids_ptr,
+        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
+        num_global_experts=num_global_experts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=TOPK,
+        NUM_EXPERTS=NUM_EXPERTS, IDS_PER_TOKEN=1)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
@@ -215,7 +219,7 @@ def _fused_fp8_kernel(
               FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
     if final_out_ptr is not None:
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
-                              stride_final_m, BLOCK_M, BLOCK_H, False)
+                              stride_final_m, BLOCK_M, BLOCK_H, RESET=False)
 
 
 @triton.jit
@@ -235,9 +239,12 @@ def _stage1_fp8_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
-        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
+        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
+        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
+        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
+        IDS_PER_TOKEN=IDS_PER_TOKEN)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,

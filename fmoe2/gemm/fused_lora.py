@@ -46,7 +46,7 @@ def _lora_tile(token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras
         num_present = tl.full([], 0, tl.int32)
         if batch_has_lora:
             row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
-                                                                             num_loras, True, LORA_IDS)
+                num_loras, batch_has_lora=True, LORA_IDS=LORA_IDS)
     else:
         row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid,
                                                                          num_loras, batch_has_lora, LORA_IDS)
@@ -68,35 +68,35 @@ def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
     dtype = x_rows.dtype.element_ty
     lb_up = LORA_RANK * stride_lb13_r  # B13t rows: gate rows [0, R), up rows [R, 2R) (A13 likewise)
-    la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of, 0, LORA_IDS,
-                                       LORA_SLOTS, LORA_RANK, 2)
+    la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of, first_slot=0,
+                                       LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=2)
     la2 = tl.zeros([STACK, BLOCK_N], dtype)
     if LORA_DECODE:
-        lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0, LORA_IDS,
-                                           LORA_SLOTS, LORA_RANK, 1)
+        lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, first_slot=0,
+                                           LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
         b13_gate_tile = _slice_tile(lb_rows, lb_used, offs_n, n_valid)
         b13_up_tile = _slice_tile(lb_rows + lb_up, lb_used, offs_n, n_valid)
-        la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
-                                            LORA_SLOTS, LORA_RANK, 1)
+        la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot=0,
+                                            LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
         la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
     gate, up, shrink = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                       r_valid, I, H, la_rows, la_used, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, True, 2 * STACK, LORA_STAGES,
-                                      WEIGHT_GROUP)
+                                      BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=True, STACK=2 * STACK,
+                                      STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
     shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
     if LORA_DECODE:
         gate = tl.dot(shrink_gate, b13_gate_tile, gate, input_precision="ieee")
         up = tl.dot(shrink_up, b13_up_tile, up, input_precision="ieee")
     else:
-        lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, 0, LORA_IDS,
-                                           LORA_SLOTS, LORA_RANK, 1)
+        lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, first_slot=0,
+                                           LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
         gate, up = _expand_gate_up(gate, up, shrink_gate, shrink_up, lb_rows, lb_up, lb_used, offs_n, n_valid)
     if LORA_SLOTS < LORA_IDS:
         # Tiles using more than LORA_SLOTS adapters: one more pass over H per further group.
         offs_k = tl.arange(0, BLOCK_K)
         for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
-            la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of,
-                                               first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 2)
+            la_rows, gu_slot, la_used = _stack(a13_expert, stride_la13_l, stride_la13_r, present, slot_of, first_slot,
+                                               LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=2)
             shrink = tl.zeros([BLOCK_M, 2 * STACK], dtype=tl.float32)
             for k0 in tl.range(0, H, BLOCK_K, num_stages=LORA_STAGES):
                 k = k0 + offs_k
@@ -105,8 +105,8 @@ def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n
                 shrink = _shrink_step(a, la_rows, la_used, k, k_valid, shrink)
             shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype),
                                                     BLOCK_M, STACK)
-            lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of,
-                                               first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+            lb_rows, lb_slot, lb_used = _stack(b13_expert, stride_lb13_l, stride_lb13_r, present, slot_of, first_slot,
+                                               LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
             gate, up = _expand_gate_up(gate, up, shrink_gate, shrink_up, lb_rows, lb_up, lb_used, offs_n, n_valid)
     return gate, up, la2
 
@@ -123,29 +123,30 @@ def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i,
     h chunk]`` riding the base down loop (``la2``: decode tiles' A2 tile of the first group, loaded before the
     gate/up loop)."""
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
-    la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
-                                        LORA_SLOTS, LORA_RANK, 1)
+    la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot=0,
+                                        LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
     if not LORA_DECODE:
         la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
-    lb2_rows, lb2_slot, lb2_used = _stack(b2t_expert, stride_lb2_l, stride_lb2_r, present, slot_of, 0, LORA_IDS,
-                                          LORA_SLOTS, LORA_RANK, 1)
+    lb2_rows, lb2_slot, lb2_used = _stack(b2t_expert, stride_lb2_l, stride_lb2_r, present, slot_of, first_slot=0,
+                                          LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
     _down_16bit(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                 _down_shrink(y, la2, row_slot, d_slot, row_scale), lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0,
-                b2_expert, bias_weight, s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, True, True, LORA_STAGES,
-                WEIGHT_GROUP)
+                b2_expert, bias_weight, s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, WITH_BASE=True, WITH_LORA=True,
+                STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
     if LORA_SLOTS < LORA_IDS:
         # Further slot groups: their own pass over H, atomics on their rows only.
         for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
-            la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of,
-                                                first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
-            lb2_rows, lb2_slot, lb2_used = _stack(b2t_expert, stride_lb2_l, stride_lb2_r, present, slot_of,
-                                                  first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+            la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot,
+                                                LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
+            lb2_rows, lb2_slot, lb2_used = _stack(b2t_expert, stride_lb2_l, stride_lb2_r, present, slot_of, first_slot,
+                                                  LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
             _down_16bit(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
                         stride_w2_h, stride_w2_i, offs_n, n_valid, H,
                         _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
                                      row_scale),
-                        lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0, None, bias_weight, s2_expert, stride_s2_n,
-                        BLOCK_M, BLOCK_H, False, True, LORA_STAGES, WEIGHT_GROUP)
+                        lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0, b2_expert=None, bias_weight=bias_weight,
+                        s2_expert=s2_expert, stride_s2_n=stride_s2_n, BLOCK_M=BLOCK_M, BLOCK_H=BLOCK_H,
+                        WITH_BASE=False, WITH_LORA=True, STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
 
 
 @triton.jit
@@ -156,15 +157,15 @@ def _store_down_shrinks(y, la2, shrink_rows, offs_n, n_valid, a2_expert, stride_
     ``shrink_rows`` ([BLOCK_M] pointers to the rows' LORA_RANK floats of this slice), for stage 2 to sum over
     the slices and expand (``grouped_gemm_kernel.py``)."""
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
-    la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, 0, LORA_IDS,
-                                        LORA_SLOTS, LORA_RANK, 1)
+    la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot=0,
+                                        LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
     if not LORA_DECODE:
         la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
     own = _own_shrink(y, la2, row_slot, d_slot, LORA_SLOTS, LORA_RANK)
     if LORA_SLOTS < LORA_IDS:
         for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
-            la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of,
-                                                first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+            la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot,
+                                                LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
             own += _own_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot, LORA_SLOTS,
                                LORA_RANK)
     tl.store(shrink_rows[:, None] + tl.arange(0, LORA_RANK)[None, :], own, mask=(row_slot >= 0)[:, None])

@@ -94,7 +94,8 @@ def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expe
         s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
     gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                  r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None, WEIGHT_GROUP)
+                                 BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16, STAGES=None,
+                                 WEIGHT_GROUP=WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     return y, offs_n, n_valid
@@ -116,10 +117,10 @@ def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_s
     s2_expert, stride_s2_n = None, 0
     if w2_scale_ptr is not None:
         s2_expert, stride_s2_n = _expert_scales(w2_ptr, w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
-    _down_16bit(y, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
-                y, offs_n, n_valid, w2_desc, w2_row0, slice_id * BLOCK_N, b2_expert,
-                tl.where(slice_id == 0, route_weight, 0.0), s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, True, False, None,
-                WEIGHT_GROUP)
+    _down_16bit(y, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n, n_valid, H, y,
+                offs_n, n_valid, w2_desc, w2_row0, slice_id * BLOCK_N, b2_expert,
+                tl.where(slice_id == 0, route_weight, 0.0), s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, WITH_BASE=True,
+                WITH_LORA=False, STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
 
 
 @triton.jit
@@ -184,9 +185,12 @@ def _fused_kernel(
     WEIGHT_GROUP: tl.constexpr,  # K columns per scale of 4-bit weights (unused with 16-bit ones)
 ):
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's results
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
-        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, 1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
+        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
+        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
+        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
+        IDS_PER_TOKEN=1)
     if expert >= 0:
         _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr,
                           w2_scale_ptr, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid,
@@ -242,7 +246,7 @@ def _fused_cast_kernel(
     expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr,
         topk_weights_ptr, expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr,
         num_sorted_tiles_ptr, num_tokens, I, num_grid_tiles, num_global_experts, BLOCK_M, BLOCK_N, GROUP_M, TOPK,
-        NUM_EXPERTS, 1)
+        NUM_EXPERTS, IDS_PER_TOKEN=1)
     if expert >= 0:
         expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid,
                                        num_global_experts, I, BLOCK_N, TOPK, NUM_EXPERTS)
@@ -297,9 +301,12 @@ def _fused_lora_kernel(
         if _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
                                  num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, TOPK, NUM_EXPERTS):
             return
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr, None,
-        expert_map_ptr, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
-        num_tokens, I, num_grid_tiles, num_global_experts, BLOCK_M, BLOCK_N, GROUP_M, TOPK, NUM_EXPERTS, 1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr,
+        topk_weights_ptr=None, expert_map_ptr=expert_map_ptr, sorted_token_ids_ptr=sorted_token_ids_ptr,
+        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
+        num_global_experts=num_global_experts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=TOPK,
+        NUM_EXPERTS=NUM_EXPERTS, IDS_PER_TOKEN=1)
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
@@ -313,7 +320,8 @@ def _fused_lora_kernel(
     if num_present == 0:  # run-time branch: tiles without adapters run the plain loops
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                      r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None, WEIGHT_GROUP)
+                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
+                                     STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
         la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)  # (a value leaves a run-time if from both sides)
     else:
         gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
@@ -348,7 +356,7 @@ def _fused_lora_kernel(
                    BLOCK_N, BLOCK_H, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     if final_out_ptr is not None:
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
-                              stride_final_m, BLOCK_M, BLOCK_H, False)
+                              stride_final_m, BLOCK_M, BLOCK_H, RESET=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,9 +383,12 @@ def _stage1_kernel(
     TAIL_M: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
-        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
+        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
+        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
+        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
+        IDS_PER_TOKEN=IDS_PER_TOKEN)
     if expert < 0:
         return
     if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
@@ -408,7 +419,8 @@ def _stage1_rows(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr, expe
                                              row_valid, route_weight, slice_id, H, I, stride_x_m, stride_w1_e,
                                              stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA,
                                              SWIGLU_LIMIT, GATE_UP_INTERLEAVED, ROWS, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
-    _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, None, slice_id)
+    _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, y_scale_rows=None,
+             slice_id=slice_id)
 
 
 @triton.jit
@@ -439,9 +451,12 @@ def _stage1_lora_kernel(
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     dependent_launch_prologue(PDL)
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), None, None, None,
-        sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr, num_tokens, I,
-        num_grid_tiles, None, BLOCK_M, BLOCK_N, GROUP_M, 1, 1, IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
+        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
+        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
+        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
+        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
+        IDS_PER_TOKEN=IDS_PER_TOKEN)
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
@@ -452,7 +467,8 @@ def _stage1_lora_kernel(
     if lora_delta13_ptr is not None:
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                                      r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None, WEIGHT_GROUP)
+                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
+                                     STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
         # Rows without an adapter have no delta (their loads are masked off). Nothing of this runs before or
         # lives across the K loop, and in a batch without adapters none of it runs.
         if batch_has_lora:
@@ -469,8 +485,8 @@ def _stage1_lora_kernel(
         if num_present == 0:
             gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
                                          offs_r, r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert,
-                                         stride_s1_n, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, False, 16, None,
-                                         WEIGHT_GROUP)
+                                         stride_s1_n, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False,
+                                         STACK=16, STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
             la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)
         else:
             gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
@@ -482,7 +498,8 @@ def _stage1_lora_kernel(
                                           LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
-    _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, None, slice_id)
+    _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, y_scale_rows=None,
+             slice_id=slice_id)
     if lora_delta13_ptr is None:
         if num_present > 0:
             _store_down_shrinks(y, la2, lora_shrink2_ptr + slice_id * stride_shrink2_split

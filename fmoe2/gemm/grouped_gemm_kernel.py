@@ -185,13 +185,18 @@ def _stage2_kernel(
         return
     if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
         tail_m, tail_id, tail_valid = _stage2_rows(tile * BLOCK_M, sorted_ids_ptr, num_valid_ids, TAIL_M)
-        _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, None, b_desc, bias_ptr, row_weights_ptr, token_lora_ids_ptr,
-                     lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr, b_rows_per_expert, expert,
-                     n_block, k_first, k_end, tile * BLOCK_M, tail_m, tail_id, tail_valid, offs_n, n_valid, K,
-                     num_loras, num_shrink_splits, stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e,
-                     stride_c_m, stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, ATOMIC_OUTPUT, TAIL_M,
-                     BLOCK_N, BLOCK_K, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN,
-                     WEIGHT_GROUP)
+        _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc=None, b_desc=b_desc, bias_ptr=bias_ptr,
+                     row_weights_ptr=row_weights_ptr, token_lora_ids_ptr=token_lora_ids_ptr,
+                     lora_shrink_ptr=lora_shrink_ptr, lora_b_ptr=lora_b_ptr, lora_scaling_ptr=lora_scaling_ptr,
+                     num_lora_tokens_ptr=num_lora_tokens_ptr, b_rows_per_expert=b_rows_per_expert, expert=expert,
+                     n_block=n_block, k_first=k_first, k_end=k_end, first_row=tile * BLOCK_M, offs_m=tail_m,
+                     row_id=tail_id, row_valid=tail_valid, offs_n=offs_n, n_valid=n_valid, K=K, num_loras=num_loras,
+                     num_shrink_splits=num_shrink_splits, stride_a_m=stride_a_m, stride_b_e=stride_b_e,
+                     stride_b_n=stride_b_n, stride_b_k=stride_b_k, stride_bias_e=stride_bias_e, stride_c_m=stride_c_m,
+                     stride_shrink_split=stride_shrink_split, stride_lb_l=stride_lb_l, stride_lb_e=stride_lb_e,
+                     stride_lb_r=stride_lb_r, ATOMIC_OUTPUT=ATOMIC_OUTPUT, ROWS=TAIL_M, BLOCK_N=BLOCK_N,
+                     BLOCK_K=BLOCK_K, LORA_RANK=LORA_RANK, LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS,
+                     LORA_SPLITS_PER_STEP=LORA_SPLITS_PER_STEP, IDS_PER_TOKEN=IDS_PER_TOKEN, WEIGHT_GROUP=WEIGHT_GROUP)
     else:
         _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc, b_desc, bias_ptr, row_weights_ptr, token_lora_ids_ptr,
                      lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr, b_rows_per_expert, expert,
@@ -243,8 +248,8 @@ def _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, to
     row_token = row_id
     if IDS_PER_TOKEN > 1:
         row_token = row_id // IDS_PER_TOKEN
-    row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_token, row_valid,
-                                                                     num_loras, True, LORA_IDS)
+    row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_token, row_valid, num_loras,
+                                                                    batch_has_lora=True, LORA_IDS=LORA_IDS)
     if num_present > 0:  # (tiles without an adapter in a batch with some: nothing to add)
         row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
         by_rank = _rank_sums(lora_shrink_ptr + offs_m.to(tl.int64) * LORA_RANK, row_slot >= 0, num_shrink_splits,
@@ -252,7 +257,7 @@ def _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, to
         b2_expert = lora_b_ptr + expert * stride_lb_e
         for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
             lb_rows, lb_slot, lb_used = _stack(b2_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot,
-                                               LORA_IDS, LORA_SLOTS, LORA_RANK, 1)
+                                               LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
             own = _in_stack_columns(by_rank, row_slot, lb_slot, row_scale, b2_expert.dtype.element_ty, LORA_RANK,
                                     LORA_SLOTS * LORA_RANK)
             acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")

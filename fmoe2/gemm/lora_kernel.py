@@ -162,7 +162,7 @@ def _tile_rows(token_lora_ids_ptr, sorted_token_ids_ptr, sorted_expert_ids_ptr, 
     row_valid = token < tl.where(expert >= 0, num_tokens, 0)
     token = token.to(tl.int64)
     row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, token, row_valid, num_loras,
-                                                                     True, LORA_IDS)
+                                                                    batch_has_lora=True, LORA_IDS=LORA_IDS)
     expert = tl.where(num_present > 0, expert, -1)
     return expert, offs_m, token, row_valid, row_lora, row_slot, present, slot_of, num_present
 
@@ -335,7 +335,7 @@ def _lora_expand_kernel(
     b_expert = lora_b_ptr + expert * stride_lb_e
     for first_slot in range(0, num_present, LORA_SLOTS):
         lb_rows, lb_slot, lb_used = _stack(b_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot, LORA_IDS,
-                                           LORA_SLOTS, LORA_RANK, 1)
+                                           LORA_SLOTS, LORA_RANK, PARTS=1)
         rows = (_in_group(row_slot, first_slot, LORA_SLOTS) & row_valid)[:, None]
         if DOWN:
             own = _summed_shrink(shrink_rows, row_slot, lb_slot, num_shrink_splits, stride_shrink_split, row_scale,

@@ -164,8 +164,8 @@ def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         if s1_expert is not None:  # 4-bit weights: the first step's tile, each step then loading the next one's
             s_rows = s1_expert + offs_r * stride_s1_n
-            next_packed, next_scales = _packed_weight_load(w_rows, 0, stride_w1_n, r_valid, s_rows, BLOCK_K,
-                                                           WEIGHT_GROUP)
+            next_packed, next_scales = _packed_weight_load(w_rows, k0=0, row_bytes=stride_w1_n, rows_valid=r_valid,
+                                                           s_rows=s_rows, BLOCK_K=BLOCK_K, GROUP=WEIGHT_GROUP)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H

@@ -72,8 +72,9 @@ def _slot_expert(slot, topk_ids_ptr, expert_map_ptr, num_global_experts, TOPK: t
                  NUM_EXPERTS: tl.constexpr):
     """The one-launch decode's tile ``slot``: the local expert (int64) of the token's top-k ``slot``, -1 for a
     dropped slot (another rank's expert, or an id out of range), by the sort's own rule."""
-    key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, None, slot, None, num_global_experts, 0, NUM_EXPERTS,
-                           expert_map_ptr is not None, TOPK, False)
+    key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr=None, offs=slot, valid=None,
+                           num_global_experts=num_global_experts, num_loras=0, NUM_EXPERTS=NUM_EXPERTS,
+                           HAS_EXPERT_MAP=expert_map_ptr is not None, TOPK=TOPK, LORA_KEYS=False)
     return tl.where(key < NUM_EXPERTS, key.to(tl.int32, bitcast=True).to(tl.int64), -1)
 
 
@@ -104,7 +105,9 @@ def _kept_slots(topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_exper
     own rule (``_routed_sort_key`` below NUM_EXPERTS); 0 for invalid rows."""
     kept = tl.zeros(token.shape, dtype=tl.int32)
     for slot in tl.static_range(TOPK):
-        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, None, token * TOPK + slot, row_valid,
-                               num_global_experts, 0, NUM_EXPERTS, expert_map_ptr is not None, TOPK, False)
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr=None, offs=token * TOPK + slot,
+                               valid=row_valid, num_global_experts=num_global_experts, num_loras=0,
+                               NUM_EXPERTS=NUM_EXPERTS, HAS_EXPERT_MAP=expert_map_ptr is not None, TOPK=TOPK,
+                               LORA_KEYS=False)
         kept += (key < NUM_EXPERTS).to(tl.int32)
     return kept

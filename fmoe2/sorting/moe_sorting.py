@@ -248,8 +248,9 @@ def _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, n
     mine = tl.zeros([SCAN_BLOCK], dtype=tl.int32)
     for step in range(first_step, tl.minimum(end_step, num_full_steps)):
         offs = step * SCAN_BLOCK + scan
-        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, None, num_global_experts,
-                               num_loras, NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+        key = _routed_sort_key(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, offs, valid=None,
+                               num_global_experts=num_global_experts, num_loras=num_loras, NUM_EXPERTS=NUM_EXPERTS,
+                               HAS_EXPERT_MAP=HAS_EXPERT_MAP, TOPK=TOPK, LORA_KEYS=LORA_KEYS)
         below += (key < expert_key).to(tl.int32)
         if COUNT_MINE:
             mine += (key == expert_key).to(tl.int32)
@@ -394,12 +395,14 @@ def _scan_expert(topk_ids_ptr, topk_weights_ptr, expert_map_ptr, token_lora_ids_
     # Pass 1: entries of experts < e (A), and of e itself in the steps before this part's. The
     # expert's own count comes from pass 2, which needs its hits anyway.
     below, mine = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
-                              num_loras, expert_key, 0, part_first_step, num_full_steps, True, SCAN_BLOCK,
-                              NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+                              num_loras, expert_key, first_step=0, end_step=part_first_step,
+                              num_full_steps=num_full_steps, COUNT_MINE=True, SCAN_BLOCK=SCAN_BLOCK,
+                              NUM_EXPERTS=NUM_EXPERTS, HAS_EXPERT_MAP=HAS_EXPERT_MAP, TOPK=TOPK, LORA_KEYS=LORA_KEYS)
     my_count_before_part = tl.sum(mine, axis=0)
     below_rest, _ = _count_keys(topk_ids_ptr, expert_map_ptr, token_lora_ids_ptr, num_entries, num_global_experts,
-                                num_loras, expert_key, part_first_step, num_steps, num_full_steps, False, SCAN_BLOCK,
-                                NUM_EXPERTS, HAS_EXPERT_MAP, TOPK, LORA_KEYS)
+                                num_loras, expert_key, part_first_step, num_steps, num_full_steps, COUNT_MINE=False,
+                                SCAN_BLOCK=SCAN_BLOCK, NUM_EXPERTS=NUM_EXPERTS, HAS_EXPERT_MAP=HAS_EXPERT_MAP,
+                                TOPK=TOPK, LORA_KEYS=LORA_KEYS)
     num_below = tl.sum(below + below_rest, axis=0)
     # Expert e owns tiles [first_tile, next_first_tile): its own ceil(count / BLOCK_M), then gap tiles (-1).
     first_tile = num_below // BLOCK_M + tl.minimum(expert, num_below)
