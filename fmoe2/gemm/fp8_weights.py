@@ -29,7 +29,7 @@ from ..fp8 import FP8_GROUP, _quantize_rows, fp8_constexprs
 from ..grid_dependency import dependent_launch_prologue
 from ..target import Target
 from .epilogues import _cast_rows_last_added, _store_y, _zeroes_unrouted_rows
-from .fused_moe_kernel import _activated, _expected_adds, _fused_program
+from .fused_moe_kernel import _activated, _expected_adds, _sorted_program
 from .grouped_gemm_kernel import _add_bias, _stage2_program, _write_rows
 from .tiles import _slice_columns
 
@@ -193,12 +193,9 @@ def _fused_fp8_kernel(
         if _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
                                  num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, TOPK, NUM_EXPERTS):
             return
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr,
-        topk_weights_ptr=None, expert_map_ptr=expert_map_ptr, sorted_token_ids_ptr=sorted_token_ids_ptr,
-        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
-        num_global_experts=num_global_experts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=TOPK,
-        NUM_EXPERTS=NUM_EXPERTS, IDS_PER_TOKEN=1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _sorted_program(
+        tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN=1)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
@@ -239,12 +236,9 @@ def _stage1_fp8_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
-        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
-        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
-        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
-        IDS_PER_TOKEN=IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _sorted_program(
+        tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,

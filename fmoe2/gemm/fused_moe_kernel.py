@@ -151,6 +151,20 @@ def _fused_program(pid, topk_ids_ptr, topk_weights_ptr, expert_map_ptr, sorted_t
 
 
 @triton.jit
+def _sorted_program(pid, sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+                    num_tokens, I, num_grid_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                    IDS_PER_TOKEN: tl.constexpr):
+    """:func:`_fused_program` of a launch whose tiles are always the sort's (every launch but the one that may run
+    the one-launch decode)."""
+    return _fused_program(pid, topk_ids_ptr=None, topk_weights_ptr=None, expert_map_ptr=None,
+                          sorted_token_ids_ptr=sorted_token_ids_ptr, sorted_weights_ptr=sorted_weights_ptr,
+                          sorted_expert_ids_ptr=sorted_expert_ids_ptr, num_sorted_tiles_ptr=num_sorted_tiles_ptr,
+                          num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles, num_global_experts=None,
+                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
+                          IDS_PER_TOKEN=IDS_PER_TOKEN)
+
+
+@triton.jit
 def _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts, I,
                    BLOCK_N: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr):
     """Where the kernel casts its accumulator (``final_out_ptr`` given): the adds each row's token gets, its kept
@@ -185,12 +199,9 @@ def _fused_kernel(
     WEIGHT_GROUP: tl.constexpr,  # K columns per scale of 4-bit weights (unused with 16-bit ones)
 ):
     dependent_launch_prologue(PDL)  # with PDL: the next launch may start; wait for the sort's results
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
-        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
-        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
-        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
-        IDS_PER_TOKEN=1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _sorted_program(
+        tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN=1)
     if expert >= 0:
         _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr,
                           w2_scale_ptr, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid,
@@ -301,12 +312,9 @@ def _fused_lora_kernel(
         if _zeroes_unrouted_rows(final_out_ptr, topk_ids_ptr, expert_map_ptr, num_tokens, H, I, num_grid_tiles,
                                  num_global_experts, stride_final_m, BLOCK_M, BLOCK_N, BLOCK_H, TOPK, NUM_EXPERTS):
             return
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr,
-        topk_weights_ptr=None, expert_map_ptr=expert_map_ptr, sorted_token_ids_ptr=sorted_token_ids_ptr,
-        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
-        num_global_experts=num_global_experts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=TOPK,
-        NUM_EXPERTS=NUM_EXPERTS, IDS_PER_TOKEN=1)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _sorted_program(
+        tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN=1)
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
@@ -383,12 +391,9 @@ def _stage1_kernel(
     TAIL_M: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
-        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
-        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
-        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
-        IDS_PER_TOKEN=IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _sorted_program(
+        tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
     if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
@@ -451,12 +456,9 @@ def _stage1_lora_kernel(
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     dependent_launch_prologue(PDL)
     batch_has_lora = tl.load(num_lora_tokens_ptr) > 0
-    expert, slice_id, offs_m, token, row_valid, route_weight = _fused_program(tl.program_id(0), topk_ids_ptr=None,
-        topk_weights_ptr=None, expert_map_ptr=None, sorted_token_ids_ptr=sorted_token_ids_ptr,
-        sorted_weights_ptr=sorted_weights_ptr, sorted_expert_ids_ptr=sorted_expert_ids_ptr,
-        num_sorted_tiles_ptr=num_sorted_tiles_ptr, num_tokens=num_tokens, I=I, num_grid_tiles=num_grid_tiles,
-        num_global_experts=None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, GROUP_M=GROUP_M, TOPK=1, NUM_EXPERTS=1,
-        IDS_PER_TOKEN=IDS_PER_TOKEN)
+    expert, slice_id, offs_m, token, row_valid, route_weight = _sorted_program(
+        tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
+        num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
