@@ -91,3 +91,20 @@ def test_the_decode_benchmark_report_compares_the_4_bit_model_with_the_best_bf16
     text = markdown(result)
     assert "4.250 bits per value" in text and "mxfp4 2.00 GiB, dequantized bf16 8.00 GiB" in text
     assert "| 1 | 300.0 | 200.0 | 150.0 | 1.50x |" in text and "| 8 | 900.0 | 1000.0 | error | 0.90x |" in text
+
+
+def test_a_sharded_checkpoint_loads_through_its_index(tmp_path, checkpoint):
+    # The published checkpoints are sharded: model.safetensors.index.json names the file of each tensor.
+    tensors = safetensors_torch.load_file(os.path.join(checkpoint, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        safetensors_torch.save_file({k: tensors[k] for k in keys}, str(tmp_path / file))
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(open(os.path.join(checkpoint, "config.json")).read())
+    (tmp_path / "stray.safetensors").write_text("not named by the index: not read")
+    sharded = load_gpt_oss_mxfp4(str(tmp_path), device=DEVICE, dtype=DTYPE)
+    whole = load_gpt_oss_mxfp4(checkpoint, device=DEVICE, dtype=DTYPE)
+    with torch.no_grad():
+        assert torch.equal(sharded(INPUT_IDS.to(DEVICE)).logits, whole(INPUT_IDS.to(DEVICE)).logits)
