@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     from fmoe2.integrations.gpt_oss_mxfp4 import experts_bytes, load_gpt_oss_mxfp4, save_mxfp4_checkpoint
 
     batches = [int(b) for b in a.batches.split(",")]
-    work = a.work_dir or tempfile.mkdtemp(prefix="gpt_oss_mxfp4_")
+    scratch = tempfile.TemporaryDirectory(prefix="gpt_oss_mxfp4_") if a.work_dir is None else None
+    work = a.work_dir or scratch.name  # (a temporary checkpoint goes when the run ends)
     source = build_model(a.model, a.layers)
     save_mxfp4_checkpoint(source, work)
     del source
@@ -74,9 +75,11 @@ def main(argv=None) -> int:
     mxfp4 = load_gpt_oss_mxfp4(work, device="cuda")
     held["mxfp4"] = torch.cuda.memory_allocated() - before
     before = torch.cuda.memory_allocated()
-    # (transformers dequantizes the experts to bf16 without the kernels package; device_map needs accelerate)
+    # (dequantized to bf16 even where the kernels package would keep 4 bits; device_map needs accelerate)
     placement = dict(device_map="cuda") if transformers.utils.is_accelerate_available() else {}
-    bf16 = transformers.AutoModelForCausalLM.from_pretrained(work, dtype=torch.bfloat16, **placement).cuda().eval()
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        work, dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True),
+        **placement).cuda().eval()
     held["bf16"] = torch.cuda.memory_allocated() - before
     for model in (mxfp4, bf16):
         model.generation_config.eos_token_id = None  # always generate the requested tokens

@@ -12,40 +12,49 @@ scales per 32) as fmoe2's prepared mxfp4 weights (``fmoe2.prepare_weights(..., w
 per value, gate/up rows interleaved as gpt-oss stores them). The experts then run on the ``"fmoe2"`` backend
 (``fmoe2.integrations.transformers``), the rest of the model as transformers runs it.
 
-The experts' weights are held by the module as :data:`PREPARED_ATTRIBUTE`, not as parameters: ``state_dict`` and
-``save_pretrained`` do not include them (save the original checkpoint instead), and there is no bf16 fallback (a
-call fmoe2 cannot run, e.g. one that needs gradients, raises and says why).
+The experts' weights and biases are held by the module as non-persistent buffers (``fmoe2_w13``, ...; ``.to()``
+moves them), not as parameters: ``state_dict`` and ``save_pretrained`` do not include them (save the original
+checkpoint instead), and there is no bf16 fallback (a call fmoe2 cannot run, e.g. one that needs gradients, raises
+and says why). Expert parallelism is not supported by this loader.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import threading
 from typing import Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
 from ..gemm.layout import PreparedMoEWeights, prepare_weights
-from .transformers import BACKEND_NAME, PREPARED_ATTRIBUTE
+from .transformers import BACKEND_NAME, PREPARED_ATTRIBUTE, PREPARED_BUFFER_PREFIX, PREPARED_FIELDS
 
 EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
 
+_BUILD_LOCK = threading.Lock()  # one build at a time: each restores the register_parameter it replaced
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Modules built inside register their parameters on the meta device and their buffers as they compute them."""
+    """Modules this thread builds inside register their parameters on the meta device and their buffers as they
+    compute them (other threads' modules are built as usual)."""
     register = torch.nn.Module.register_parameter
+    builder = threading.get_ident()
 
     def register_on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
+        if (threading.get_ident() == builder and isinstance(param, torch.nn.Parameter)
+                and param.device.type != "meta"):
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    torch.nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
+    with _BUILD_LOCK:
+        torch.nn.Module.register_parameter = register_on_meta
+        try:
+            yield
+        finally:
+            torch.nn.Module.register_parameter = register
 
 
 def checkpoint_files(path: str) -> list:
@@ -127,30 +136,21 @@ def load_gpt_oss_mxfp4(path: str, device: Union[str, torch.device, None] = None,
     model.eval()
     experts = _experts_modules(model)
     packed: Dict[str, Dict[str, torch.Tensor]] = {name: {} for name in experts}
-    loaded = set()
     for key, tensor in _checkpoint_tensors(path):
         owner, _, leaf = key.rpartition(".")
         if owner in experts and leaf in EXPERT_TENSORS:
             packed[owner][leaf] = tensor.to(device)
-            continue
-        try:
-            module = model.get_submodule(owner)
-        except AttributeError:
-            module = None
-        if module is None or leaf not in module._parameters:
-            raise ValueError(f"the checkpoint's {key} is no parameter of {type(model).__name__}")
-        value = tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
-        if tuple(value.shape) != tuple(module._parameters[leaf].shape):
-            raise ValueError(f"the checkpoint's {key} has shape {tuple(value.shape)}, the model's "
-                             f"{tuple(module._parameters[leaf].shape)}")
-        module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
-        loaded.add(key)
-    for name, module in experts.items():
-        prepared = _prepared_experts(module, packed[name], name)
-        del module._parameters["gate_up_proj"], module._parameters["down_proj"]
-        module.__dict__[PREPARED_ATTRIBUTE] = prepared
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
+        else:
+            _load_parameter(model, key, tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype))
+        if owner in packed and _ready(experts[owner], packed[owner]):  # (the device holds one layer's raw blocks)
+            _attach_prepared(experts[owner], _prepared_experts(experts[owner], packed.pop(owner), owner))
+    _tie_embeddings(model, config)
+    for name in packed:  # experts that never got all their tensors
+        module = experts[name]
+        lacking = [f"{name}.{t}" for t in EXPERT_TENSORS if t not in packed[name]]
+        lacking += [f"{name}.{b}" for b in ("gate_up_proj_bias", "down_proj_bias") if module._parameters[b].is_meta]
+        raise ValueError(f"the checkpoint lacks {', '.join(lacking)} (mxfp4 experts are stored as "
+                         f"{', '.join(EXPERT_TENSORS)} and their biases)")
     still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if still_meta:
         raise ValueError(f"the checkpoint lacks {len(still_meta)} parameters of the model, e.g. {still_meta[:3]}")
@@ -159,6 +159,53 @@ def load_gpt_oss_mxfp4(path: str, device: Union[str, torch.device, None] = None,
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
     return model
+
+
+def _load_parameter(model, key: str, value: torch.Tensor) -> None:
+    owner, _, leaf = key.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        module = None
+    if module is None or leaf not in module._parameters:
+        raise ValueError(f"the checkpoint's {key} is no parameter of {type(model).__name__}")
+    if tuple(value.shape) != tuple(module._parameters[leaf].shape):
+        raise ValueError(f"the checkpoint's {key} has shape {tuple(value.shape)}, the model's "
+                         f"{tuple(module._parameters[leaf].shape)}")
+    module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _ready(module, tensors: Dict[str, torch.Tensor]) -> bool:
+    """Whether an experts module has its blocks, scales and (loaded) biases."""
+    return (all(t in tensors for t in EXPERT_TENSORS)
+            and not any(module._parameters[b].is_meta for b in ("gate_up_proj_bias", "down_proj_bias")))
+
+
+def _attach_prepared(module, prepared: PreparedMoEWeights) -> None:
+    """Gives ``module`` its prepared experts in place of its weight and bias parameters: the prepared tensors become
+    its (non-persistent) buffers, so ``module.to(...)`` moves them (the backend rebuilds the prepared weights from
+    its buffers: :func:`fmoe2.integrations.transformers.prepared_weights_of`)."""
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        del module._parameters[name]
+    for field in PREPARED_FIELDS:
+        tensor = getattr(prepared, field)
+        if tensor is not None:
+            module.register_buffer(PREPARED_BUFFER_PREFIX + field, tensor, persistent=False)
+    module.__dict__[PREPARED_ATTRIBUTE] = prepared
+
+
+def _tie_embeddings(model, config) -> None:
+    """With ``tie_word_embeddings``, the one of the input embedding and the output head the checkpoint lacks is the
+    other (a checkpoint holding both keeps both, as transformers does)."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is None:
+        return
+    if outputs.weight.is_meta and not inputs.weight.is_meta:
+        outputs.weight = inputs.weight
+    elif inputs.weight.is_meta and not outputs.weight.is_meta:
+        inputs.weight = outputs.weight
 
 
 MXFP4_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [

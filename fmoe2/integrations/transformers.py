@@ -58,6 +58,9 @@ ADAPTERS_ATTRIBUTE = "fmoe2_adapters"
 # Where a loader that keeps an experts module's weights in a format of fmoe2's own puts them (a PreparedMoEWeights in
 # the instance dict, e.g. fmoe2.integrations.gpt_oss_mxfp4); the module then holds no gate_up_proj/down_proj.
 PREPARED_ATTRIBUTE = "fmoe2_prepared"
+# Its tensors are also the module's buffers (so that module.to() moves them): "fmoe2_w13", ... of these fields.
+PREPARED_BUFFER_PREFIX = "fmoe2_"
+PREPARED_FIELDS = ("w13", "w2", "b13", "b2", "s13", "s2")
 REGISTERED_NAMES = set()  # the experts_implementation names that run this backend (register())
 
 
@@ -139,8 +142,8 @@ def check_gate(module, spec: ExpertsSpec) -> ExpertsSpec:
     any clamp), in either gate/up order; a mismatch becomes a fallback."""
     if spec.fallback:
         return spec
-    first = next(module.parameters(), None)  # (a module with prepared weights may hold biases only)
-    device = first.device if first is not None else torch.device("cpu")
+    prepared = module.__dict__.get(PREPARED_ATTRIBUTE)
+    device = prepared.w13.device if prepared is not None else _weight(module, "gate_up_proj").device
     gen = torch.Generator(device="cpu").manual_seed(0)
     projection = (torch.randn(PROBE_ROWS, 2 * PROBE_COLUMNS, generator=gen) * PROBE_SCALE).to(device)
     try:
@@ -255,7 +258,7 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
     """The ``"fmoe2"`` experts backend: ``fmoe2.fused_moe`` on the module's parameters, in place (or on the prepared
     weights a loader left at :data:`PREPARED_ATTRIBUTE`)."""
     spec = experts_spec(module)
-    prepared = module.__dict__.get(PREPARED_ATTRIBUTE)
+    prepared = prepared_weights_of(module)
     if prepared is not None:
         return _prepared_experts_forward(module, prepared, spec, hidden_states, top_k_index, top_k_weights)
     w1 = None if spec.fallback else _weight(module, "gate_up_proj")
@@ -279,6 +282,22 @@ def fmoe2_experts_forward(module, hidden_states: torch.Tensor, top_k_index: torc
     return fused_moe(hidden_states, w1, w2, top_k_weights, top_k_index, activation=spec.activation,
                      gate_up_interleaved=spec.gate_up_interleaved, swiglu_alpha=spec.swiglu_alpha,
                      swiglu_limit=spec.swiglu_limit, **biases, **lora)
+
+
+def prepared_weights_of(module):
+    """The prepared weights a loader left on ``module`` (None: none), rebuilt from its buffers where ``module.to()``
+    replaced them since."""
+    prepared = module.__dict__.get(PREPARED_ATTRIBUTE)
+    if prepared is None:
+        return None
+    buffers = module._buffers
+    fields = {f: buffers.get(PREPARED_BUFFER_PREFIX + f) for f in PREPARED_FIELDS}
+    if any(fields[f] is not getattr(prepared, f) for f in PREPARED_FIELDS):
+        prepared = type(prepared).from_prepared(fields["w13"], fields["w2"], prepared.hidden_size,
+                                                prepared.intermediate_size, fields["b13"], fields["b2"], fields["s13"],
+                                                fields["s2"], prepared.scale_block, prepared.weight_format)
+        module.__dict__[PREPARED_ATTRIBUTE] = prepared
+    return prepared
 
 
 def _prepared_experts_forward(module, prepared, spec: ExpertsSpec, hidden_states, top_k_index, top_k_weights):
@@ -340,4 +359,5 @@ def register(name: str = BACKEND_NAME) -> str:
 register()
 
 __all__ = ["register", "fmoe2_experts_forward", "fmoe2_fp8_experts_forward", "experts_spec", "classify", "check_gate", "ExpertsSpec",
-           "BACKEND_NAME", "ADAPTERS_ATTRIBUTE", "PREPARED_ATTRIBUTE", "REGISTERED_NAMES"]
+           "BACKEND_NAME", "ADAPTERS_ATTRIBUTE", "PREPARED_ATTRIBUTE", "REGISTERED_NAMES",
+           "prepared_weights_of"]

@@ -108,3 +108,53 @@ def test_a_sharded_checkpoint_loads_through_its_index(tmp_path, checkpoint):
     whole = load_gpt_oss_mxfp4(checkpoint, device=DEVICE, dtype=DTYPE)
     with torch.no_grad():
         assert torch.equal(sharded(INPUT_IDS.to(DEVICE)).logits, whole(INPUT_IDS.to(DEVICE)).logits)
+
+
+def test_the_experts_move_with_the_model_and_stay_out_of_its_state(checkpoint):
+    ours = load_gpt_oss_mxfp4(checkpoint, device=DEVICE, dtype=DTYPE)
+    assert not [k for k in ours.state_dict() if ".experts." in k]  # (save the checkpoint, not this model)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=DTYPE,
+                                                                  experts_implementation="eager").to(DEVICE).eval()
+    ours.half(), reference.half()  # the prepared biases are buffers: converted with the model, and read from there
+    experts = next(m for m in ours.modules() if backend.PREPARED_ATTRIBUTE in m.__dict__)
+    assert experts.fmoe2_b2.dtype == torch.float16 and backend.prepared_weights_of(experts).b2 is experts.fmoe2_b2
+    ids = INPUT_IDS.to(DEVICE)
+    with torch.no_grad():
+        got, want = ours(ids).logits.float(), reference(ids).logits.float()
+        assert rel_error(got, want) < 2e-2, rel_error(got, want)
+        experts.fmoe2_b2.add_(100.0)  # the buffers are what the forward reads
+        assert rel_error(ours(ids).logits.float(), want) > 1e-1
+
+
+def test_a_missing_bias_is_named(tmp_path, checkpoint):
+    tensors = safetensors_torch.load_file(os.path.join(checkpoint, "model.safetensors"))
+    del tensors["model.layers.0.mlp.experts.down_proj_bias"]
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(open(os.path.join(checkpoint, "config.json")).read())
+    with pytest.raises(ValueError, match="lacks model.layers.0.mlp.experts.down_proj_bias"):
+        load_gpt_oss_mxfp4(str(tmp_path), device=DEVICE, dtype=DTYPE)
+
+
+def test_tied_embeddings_take_the_one_the_checkpoint_holds(tmp_path, checkpoint):
+    config = json.load(open(os.path.join(checkpoint, "config.json")))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
+    tensors = safetensors_torch.load_file(os.path.join(checkpoint, "model.safetensors"))
+    del tensors["lm_head.weight"]
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    ours = load_gpt_oss_mxfp4(str(tmp_path), device=DEVICE, dtype=DTYPE)
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+
+
+def test_only_the_loading_thread_builds_on_meta_and_the_patch_is_undone():
+    import threading
+
+    from fmoe2.integrations.gpt_oss_mxfp4 import _parameters_on_meta
+
+    original, other = torch.nn.Module.register_parameter, {}
+    with _parameters_on_meta():
+        here = torch.nn.Linear(2, 2)
+        thread = threading.Thread(target=lambda: other.update(linear=torch.nn.Linear(2, 2)))
+        thread.start()
+        thread.join()
+    assert here.weight.is_meta and not other["linear"].weight.is_meta
+    assert torch.nn.Module.register_parameter is original and not torch.nn.Linear(2, 2).weight.is_meta
