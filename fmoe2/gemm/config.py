@@ -766,6 +766,7 @@ def get_config(
     cuda_arch: Optional[int] = None,
     tuned_for: Optional[str] = None,
     weight_format: str = "16bit",
+    n_contiguous_halves: bool = False,
 ) -> FusedMoEConfig:
     """The config ``fused_moe`` runs for one problem (:func:`resolve_config`; the module docstring).
 
@@ -779,6 +780,9 @@ def get_config(
     ``"int8"``, or ``PreparedMoEWeights.weight_format``). ``deterministic=True``: deterministic mode (``cuda_arch``,
     e.g. 90, for a CUDA GPU that is not there). ``tuned_for``: the name of a GPU (``device_config_name``, e.g. ``"NVIDIA_H200"``) whose
     tuned files to read, also when ``backend``/``arch`` name a GPU that is not here (not in deterministic mode).
+    ``n_contiguous_halves``: 16-bit ``w1`` passed as transposed ``[E, H, 2I]`` views with gate and up rows
+    concatenated (N contiguous), as some transformers experts store them: the forward picks slices of at least
+    ``MIN_WEIGHT_ROW_BYTES`` per K row there.
     """
     here = target_of(device)
     foreign = (backend is not None and backend != current_backend()) or arch is not None
@@ -792,5 +796,6 @@ def get_config(
     folder = None if foreign or not tuned else device_config_name(device)
     if tuned and tuned_for is not None and not deterministic:
         folder = tuned_for
-    return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(lora, fp8, deterministic, weight_format),
-                          target, path=path, tuned_for=folder, config_dir=config_dir)
+    return resolve_config(ConfigProblem(M, E, H, I, topk, dtype, n_contiguous_halves),
+                          ConfigMode(lora, fp8, deterministic, weight_format), target, path=path, tuned_for=folder,
+                          config_dir=config_dir)
