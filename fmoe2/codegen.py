@@ -243,14 +243,20 @@ def _meta_lora(num_loras: int, E: int, H: int, inter: int, rank: int, dtype) -> 
         intermediate_size=inter)
 
 
-def _meta_weights(target_name: str, E: int, H: int, inter: int, dtype: torch.dtype, prepared: bool, fp8: str,
+def fp8_weight_dtype(named: Target) -> torch.dtype:
+    """The fp8 dtype the report compiles fp8 weights in: the target's (e4m3fnuz on gfx942), e4m3fn where it has
+    none (the kernels are still compiled, to read the code)."""
+    return named.fp8_dtypes[0] if named.fp8_dtypes else torch.float8_e4m3fn
+
+
+def _meta_weights(named: Target, E: int, H: int, inter: int, dtype: torch.dtype, prepared: bool, fp8: str,
                   weights: str):
-    """``(w1, w2, scales, weight_dtype)`` on the meta device as :func:`codegen_report` compiles them (``scales``: the
+    """``(w1, w2, scales)`` on the meta device as :func:`codegen_report` compiles them (``scales``: the
     ``MoEProblem`` fields of fp8 or 4-bit weights)."""
     meta = dict(device="meta")
     weight_dtype = dtype
     if fp8:
-        weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
+        weight_dtype = fp8_weight_dtype(named)
     scales = {}
     if weights:  # as fmoe2.prepare_weights stores the format: H and I padded to whole groups
         fmt = WEIGHT_FORMATS[weights]
@@ -278,7 +284,7 @@ def _meta_weights(target_name: str, E: int, H: int, inter: int, dtype: torch.dty
         s2, _, _, _ = weight_scale_view("w2_scale", torch.empty(shapes[1], dtype=torch.float32, **meta), E, H,
                                         inter, block)
         scales = dict(w1_scale=s1, w2_scale=s2, scale_block=(bn, bk))
-    return w1, w2, scales, weight_dtype
+    return w1, w2, scales
 
 
 def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.bfloat16,
@@ -320,7 +326,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     if weights:
         extra["weights"] = {"format": weights, "group": packed_group(weights, H, inter)}
     if fp8:
-        weight_dtype = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
+        weight_dtype = fp8_weight_dtype(NAMED_TARGETS[target_name])
         extra["fp8"] = {"scheme": fp8, "weight_dtype": str(weight_dtype).replace("torch.", "")}
     if lora_rank:
         lora = {"lora": {"rank": lora_rank, "num_loras": num_loras}}
@@ -393,9 +399,8 @@ def codegen_launches(named: Target, shape, M: int, dtype: torch.dtype = torch.bf
         raise ValueError(f"weights must be one of {tuple(PACKED_GROUPS)} (prepared, without fp8), got {weights!r}")
     E, H, inter, topk = shape
     meta = dict(device="meta")
-    target_name = next((n for n, t in NAMED_TARGETS.items() if t is named), named.backend)
     x = torch.empty(M, H, dtype=dtype, **meta)
-    w1, w2, scales, _ = _meta_weights(target_name, E, H, inter, dtype, prepared, fp8, weights)
+    w1, w2, scales = _meta_weights(named, E, H, inter, dtype, prepared, fp8, weights)
     problem = MoEProblem(x, w1, w2, prepared, E, H, inter, topk, **scales)
     problem.deterministic = deterministic
     lora_problem = None
@@ -412,7 +417,7 @@ def codegen_launches(named: Target, shape, M: int, dtype: torch.dtype = torch.bf
                                                  pdl=(cfg.pdl or pdl) and named.has_grid_dependency_control)
 
     out: List[CodegenLaunch] = []
-    names = set()
+    names = set()  # each report name once: the forwards reported share launches (their sort, the cast)
 
     def add(plan, specs, lora, rename, skip=()):
         for spec in specs:

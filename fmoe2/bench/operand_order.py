@@ -198,6 +198,9 @@ def main(argv=None) -> None:
     parser.add_argument("--weights", default="bf16,int8,int8-swapped", help="comma-separated kinds")
     args = parser.parse_args(argv)
     kinds = args.weights.split(",")
+    unknown = sorted(set(kinds) - {"bf16", "int8", "int8-swapped"})
+    if unknown:
+        parser.error(f"--weights takes bf16, int8, int8-swapped; got {unknown}")
     chosen = [v for v in variants() if v.weights in kinds]
     if not torch.cuda.is_available():
         # The interpreter checks the kernel on one small problem (no timing).

@@ -28,7 +28,8 @@ from typing import Dict, Iterator, Optional, Tuple, Union
 import torch
 
 from ..gemm.layout import PreparedMoEWeights, prepare_weights
-from .transformers import BACKEND_NAME, PREPARED_ATTRIBUTE, PREPARED_BUFFER_PREFIX, PREPARED_FIELDS
+from .transformers import (BACKEND_NAME, PREPARED_ATTRIBUTE, PREPARED_BUFFER_PREFIX, PREPARED_FIELDS,
+                           prepared_weights_of)
 
 EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
@@ -79,11 +80,15 @@ def _checkpoint_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _check_gpt_oss(config, what: str) -> None:
+    if getattr(config, "model_type", None) != "gpt_oss":
+        raise ValueError(f"{what} gpt-oss models (model_type 'gpt_oss'), got model_type "
+                         f"{getattr(config, 'model_type', None)!r}")
+
+
 def _mxfp4_config(config) -> None:
     """Checks that ``config`` is gpt-oss's with mxfp4 experts (a clear error naming what it found otherwise)."""
-    if getattr(config, "model_type", None) != "gpt_oss":
-        raise ValueError(f"load_gpt_oss_mxfp4 loads gpt-oss checkpoints (model_type 'gpt_oss'), got model_type "
-                         f"{getattr(config, 'model_type', None)!r}")
+    _check_gpt_oss(config, "load_gpt_oss_mxfp4 loads")
     quantization = getattr(config, "quantization_config", None)
     method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
                                                                                              "quant_method", None)
@@ -221,7 +226,7 @@ def save_mxfp4_checkpoint(model, folder: str, dtype: torch.dtype = torch.bfloat1
 
     from ..quant4 import quantize_mxfp4
 
-    _mxfp4_config_free(model.config)
+    _check_gpt_oss(model.config, "save_mxfp4_checkpoint saves")
     experts = _experts_modules(model)
     tensors = {}
     for name, tensor in model.state_dict().items():
@@ -240,18 +245,12 @@ def save_mxfp4_checkpoint(model, folder: str, dtype: torch.dtype = torch.bfloat1
     config.save_pretrained(folder)
 
 
-def _mxfp4_config_free(config) -> None:
-    if getattr(config, "model_type", None) != "gpt_oss":
-        raise ValueError(f"save_mxfp4_checkpoint saves gpt-oss models (model_type 'gpt_oss'), got model_type "
-                         f"{getattr(config, 'model_type', None)!r}")
-
-
 def experts_bytes(model) -> Tuple[int, int]:
     """``(bytes, values)`` of the model's prepared mxfp4 experts: weights and scales, and the weight values they
     hold (padding included)."""
     total, values = 0, 0
     for module in model.modules():
-        prepared: Optional[PreparedMoEWeights] = module.__dict__.get(PREPARED_ATTRIBUTE)
+        prepared: Optional[PreparedMoEWeights] = prepared_weights_of(module)
         if prepared is not None:
             for t in (prepared.w13, prepared.w2, prepared.s13, prepared.s2):
                 total += t.numel() * t.element_size()

@@ -290,9 +290,9 @@ def prepared_weights_of(module):
     prepared = module.__dict__.get(PREPARED_ATTRIBUTE)
     if prepared is None:
         return None
-    buffers = module._buffers
+    buffers = module._buffers  # (every call of the layer: plain lookups, no tensor work)
     fields = {f: buffers.get(PREPARED_BUFFER_PREFIX + f) for f in PREPARED_FIELDS}
-    if any(fields[f] is not getattr(prepared, f) for f in PREPARED_FIELDS):
+    if any(fields[f] is not getattr(prepared, f) for f in PREPARED_FIELDS):  # module.to() replaced some
         prepared = type(prepared).from_prepared(fields["w13"], fields["w2"], prepared.hidden_size,
                                                 prepared.intermediate_size, fields["b13"], fields["b2"], fields["s13"],
                                                 fields["s2"], prepared.scale_block, prepared.weight_format)
