@@ -23,3 +23,12 @@ def test_the_report_names_the_fastest_config_of_each_kind(tmp_path):
     text = open(write_report(rows, 2000.0, record, str(tmp_path))).read()
     for kind in KINDS:
         assert f"| p | {kind} | {kind} 128 | 1.0 | 1000 | 50% |" in text
+
+
+def test_an_unknown_kind_of_weights_is_refused():
+    import pytest
+
+    from fmoe2.bench.operand_order import main
+
+    with pytest.raises(SystemExit):
+        main(["--weights", "bf16,int9"])
