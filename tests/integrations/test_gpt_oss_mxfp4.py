@@ -47,7 +47,18 @@ def test_the_experts_stay_in_4_bits_and_compute_what_transformers_dequantized_fo
     with torch.no_grad():
         tokens = ours.generate(ids, max_new_tokens=4, do_sample=False)
         expected = reference.generate(ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(tokens, expected)
+        # Both models' logits of each generated position, on the reference's tokens: where the reference's top two
+        # are closer than the two models' logits differ, greedy decoding may pick either (a near tie of a random
+        # model in bf16), and the sequences may part from there on
+        new = slice(ids.shape[1] - 1, -1)
+        got, want = ours(expected).logits.float()[:, new], reference(expected).logits.float()[:, new]
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1] > 2 * (got - want).abs().amax()).int().cumprod(dim=-1).bool()
+    generated = slice(ids.shape[1], None)
+    assert torch.equal(tokens[:, :ids.shape[1]], ids)
+    assert torch.equal(tokens[:, generated][clear], expected[:, generated][clear])
+    if DTYPE == torch.float32:  # (no near ties at this precision: every token is compared)
+        assert clear.all() and torch.equal(tokens, expected)
 
 
 def test_a_call_fmoe2_cannot_run_raises_instead_of_a_fallback(checkpoint):
