@@ -8,7 +8,8 @@ turns, so ratios compare like with like), uniform random routing:
 
 * ``bf16``: fmoe2's forward on 16-bit weights (``path="auto"``, sort included);
 * ``<format>``: fmoe2's forward on the same weights' quantized prepared form (mxfp4, or int4 with groups of 128
-  and fp16 (scale, zero) pairs: ``fmoe2/quant4.py``; int8 with bf16 scales per channel, or ``int8-g128`` per group
+  (the largest of 128, 64, 32 that divides H and I: gpt-oss's 2880 takes 64) and fp16 (scale, zero) pairs:
+  ``fmoe2/quant4.py``; int8 with bf16 scales per channel, or ``int8-g128`` per group
   of 128: ``fmoe2/int8.py``), dequantized in the kernels' operand loader;
 * ``vllm-w4a16`` (4-bit formats): the benchmark's vLLM-style baseline (``fmoe2/bench/vllm_style.py``: align, two
   grouped GEMMs, activation and top-k sum kernels) on the same 4-bit weights, dequantized in its GEMMs' K loops as
@@ -49,9 +50,18 @@ FORMATS = {"mxfp4": dict(group=quant4.MXFP4_GROUP), "int4": dict(group=128), "in
 TOLERANCE = 2.5e-2  # bf16 activations: the 16-bit bound of tests/helpers.py
 
 
-def _quantized_expertwise(fmt: str, w: torch.Tensor):
+def int4_group(H: int, I: int) -> int:
+    """The int4 group of a shape: 128, or the largest of 64 and 32 that divides both K sizes (H and I) where 128
+    does not (GPTQ-style checkpoints of such models use a group that divides K)."""
+    for group in (128, 64, 32):
+        if H % group == 0 and I % group == 0:
+            return group
+    raise ValueError(f"int4 needs H and I multiples of 32, got H={H}, I={I}")
+
+
+def _quantized_expertwise(fmt: str, w: torch.Tensor, group=None):
     """``(packed, scale, zero)`` of ``w [E, N, K]``, one expert at a time (a layer's float32 temporaries of the
-    rounding would not fit)."""
+    rounding would not fit); ``group``: int4's (None: :data:`FORMATS`')."""
     parts = []
     for e in range(w.shape[0]):
         if fmt == "mxfp4":
@@ -59,7 +69,7 @@ def _quantized_expertwise(fmt: str, w: torch.Tensor):
         elif fmt.startswith("int8"):
             parts.append((*int8.quantize_int8(w[e], FORMATS[fmt]["group"]), None))
         else:
-            parts.append(quant4.quantize_int4(w[e].half(), FORMATS[fmt]["group"]))
+            parts.append(quant4.quantize_int4(w[e].half(), group or FORMATS[fmt]["group"]))
     return tuple(torch.stack([p[i] for p in parts]) if parts[0][i] is not None else None for i in range(3))
 
 
@@ -73,7 +83,8 @@ class Weights:
         w1 = (torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)).to("cuda", torch.bfloat16)
         w2 = (torch.randn(E, H, I, generator=gen) / math.sqrt(I)).to("cuda", torch.bfloat16)
         self.bf16 = fmoe2.prepare_weights(w1, w2)
-        (p1, s1, z1), (p2, s2, z2) = _quantized_expertwise(fmt, w1), _quantized_expertwise(fmt, w2)
+        group = int4_group(H, I) if fmt == "int4" else None
+        (p1, s1, z1), (p2, s2, z2) = _quantized_expertwise(fmt, w1, group), _quantized_expertwise(fmt, w2, group)
         del w1, w2
         self.packed = fmoe2.prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2,
                                             weight_format=fmt.split("-")[0])
@@ -139,7 +150,7 @@ def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Gene
     hit = int(torch.unique(ti).numel())
     floor = floor_us(hit * 3 * w.H * w.I * w.bits_per_value / 8 + 2 * M * w.H * 2, 2 * M * w.topk * 3 * w.H * w.I,
                      ceilings)
-    row = dict(shape=w.name, format=w.fmt, E=w.E, H=w.H, I=w.I, topk=w.topk, M=M, experts_hit=hit,
+    row = dict(shape=w.name, format=f"int4-g{w.group}" if w.fmt == "int4" else w.fmt, E=w.E, H=w.H, I=w.I, topk=w.topk, M=M, experts_hit=hit,
                bits_per_value=w.bits_per_value, floor_us=floor, us=times, rel_err=errors, failed=failed,
                vllm_config=cfg.__dict__)
     if search_configs:
