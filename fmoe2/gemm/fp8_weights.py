@@ -28,6 +28,7 @@ import triton.language as tl
 from ..fp8 import FP8_GROUP, _quantize_rows, fp8_constexprs
 from ..grid_dependency import dependent_launch_prologue
 from ..target import Target
+from .bundles import Fp8Weights
 from .epilogues import _cast_rows_last_added, _store_y, _zeroes_unrouted_rows
 from .fused_moe_kernel import _activated, _expected_adds, _sorted_program
 from .grouped_gemm_kernel import _add_bias, _stage2_program, _write_rows
@@ -140,19 +141,19 @@ def _tile_gemm_fp8(a_rows, a_scale_rows, row_valid, b_rows, bs_rows, n_valid, st
 
 
 @triton.jit
-def _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token, row_valid,
-                      route_weight, slice_id, H, I, stride_xq_m, stride_xs_m, stride_w1_e, stride_w1_n, stride_w1_k,
-                      stride_s1_e, stride_s1_n, stride_s1_k, stride_b1_e, DTYPE: tl.constexpr,
-                      ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-                      GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr):
-    """:func:`fused_moe_kernel._intermediate_16bit` from fp8 weights and the sort's fp8 x, y in ``DTYPE``."""
+def _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert, token, row_valid, route_weight,
+                      slice_id, H, I, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr,
+                      SWIGLU_LIMIT: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+                      SCALE_BLOCK_K: tl.constexpr):
+    """:func:`fused_moe_kernel._intermediate_16bit` from fp8 weights ``w1`` (an :class:`~.bundles.Fp8Weights`) and
+    the sort's fp8 x, y in ``DTYPE``."""
     offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
     gate, up = _gate_up_fp8(x_q_ptr + token[:, None] * stride_xq_m, x_scale_ptr + token * stride_xs_m, row_valid,
-                            w1_ptr + expert * stride_w1_e, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid,
-                            I, H, w1_scale_ptr + expert * stride_s1_e, stride_s1_n, stride_s1_k, BLOCK_M, BLOCK_N,
-                            BLOCK_K, GATE_UP_INTERLEAVED, SCALE_BLOCK_N, SCALE_BLOCK_K)
-    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc=None,
+                            w1.ptr + expert * w1.stride_e, w1.stride_n, w1.stride_k, offs_n, n_valid, offs_r, r_valid,
+                            I, H, w1.scale_ptr + expert * w1.stride_scale_e, w1.stride_scale_n, w1.stride_scale_k,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, SCALE_BLOCK_N, SCALE_BLOCK_K)
+    y = _activated(gate, up, w1.bias_ptr, expert, w1.stride_bias_e, route_weight, offs_n, n_valid, I, w13_desc=None,
                    dtype=DTYPE, ACTIVATION=ACTIVATION, SWIGLU_ALPHA=SWIGLU_ALPHA, SWIGLU_LIMIT=SWIGLU_LIMIT,
                    GATE_UP_INTERLEAVED=GATE_UP_INTERLEAVED)
     return y, offs_n, n_valid
@@ -198,12 +199,12 @@ def _fused_fp8_kernel(
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN=1)
     if expert < 0:
         return
-    y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
-                                           row_valid, route_weight, slice_id, H, I, stride_xq_m, stride_xs_m,
-                                           stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n,
-                                           stride_s1_k, stride_b1_e, DTYPE, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                           GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK_N,
-                                           SCALE_BLOCK_K)
+    w1 = Fp8Weights(w1_ptr, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e,
+                    stride_s1_n, stride_s1_k, stride_b1_e)
+    y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert, token,
+                                           row_valid, route_weight, slice_id, H, I, DTYPE, ACTIVATION, SWIGLU_ALPHA,
+                                           SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                           SCALE_BLOCK_N, SCALE_BLOCK_K)
     expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
                                    I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     b2_expert = None
@@ -241,12 +242,12 @@ def _stage1_fp8_kernel(
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
-    y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr, expert, token,
-                                           row_valid, route_weight, slice_id, H, I, stride_xq_m, stride_xs_m,
-                                           stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n,
-                                           stride_s1_k, stride_b1_e, DTYPE, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT,
-                                           GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BLOCK_N,
-                                           SCALE_BLOCK_K)
+    w1 = Fp8Weights(w1_ptr, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e,
+                    stride_s1_n, stride_s1_k, stride_b1_e)
+    y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert, token,
+                                           row_valid, route_weight, slice_id, H, I, DTYPE, ACTIVATION, SWIGLU_ALPHA,
+                                           SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                           SCALE_BLOCK_N, SCALE_BLOCK_K)
     y_scale_rows = None
     if y_scale_ptr is not None:
         y_scale_rows = y_scale_ptr + offs_m.to(tl.int64) * stride_ys_m

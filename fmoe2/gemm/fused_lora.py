@@ -55,15 +55,19 @@ def _lora_tile(token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras
 
 
 @triton.jit
-def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
-                  w13_desc, w13_row0, s1_expert, stride_s1_n, a13_expert, stride_la13_l, stride_la13_r, b13_expert,
-                  stride_lb13_l, stride_lb13_r, a2_expert, stride_la2_l, stride_la2_r, row_slot, present, slot_of,
-                  num_present, row_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _lora_gate_up(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, a13, b13, a2, adapters,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GATE_UP_INTERLEAVED: tl.constexpr, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr,
                   LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
-    """Gate and up accumulators of a tile with adapters: the base GEMM with every slot group's deltas
-    added. Returns gate, up and (decode tiles, loaded before the K loop) the slice's stacked A2 tile
-    [STACK, BLOCK_N] of the first slot group; other tiles get zeros there and load it after the loop."""
+    """Gate and up accumulators of a tile with adapters: the base GEMM (``w1_operand``: an
+    :class:`~.bundles.ExpertOperand`) with every slot group's deltas added (``a13``, ``b13``, ``a2``: the expert's
+    :class:`~.bundles.AdapterRows` of A13, B13t and A2; ``adapters``: the tile's :class:`~.bundles.TileAdapters`).
+    Returns gate, up and (decode tiles, loaded before the K loop) the slice's stacked A2 tile [STACK, BLOCK_N] of
+    the first slot group; other tiles get zeros there and load it after the loop."""
+    a13_expert, stride_la13_l, stride_la13_r = a13
+    b13_expert, stride_lb13_l, stride_lb13_r = b13
+    a2_expert, stride_la2_l, stride_la2_r = a2
+    row_slot, present, slot_of, num_present, row_scale = adapters
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
     dtype = x_rows.dtype.element_ty
@@ -79,10 +83,9 @@ def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n
         la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot=0,
                                             LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
         la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
-    gate, up, shrink = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                      r_valid, I, H, la_rows, la_used, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=True, STACK=2 * STACK,
-                                      STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
+    gate, up, shrink = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, la_rows,
+                                      la_used, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=True,
+                                      STACK=2 * STACK, STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
     shrink_gate, shrink_up = _split_gate_up(_own_rows(shrink, row_slot, gu_slot, row_scale, dtype), BLOCK_M, STACK)
     if LORA_DECODE:
         gate = tl.dot(shrink_gate, b13_gate_tile, gate, input_precision="ieee")
@@ -112,16 +115,18 @@ def _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n
 
 
 @triton.jit
-def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, w2_desc,
-               w2_row0, slice_col0, b2_expert, bias_weight, a2_expert, stride_la2_l, stride_la2_r, b2t_expert,
-               stride_lb2_l, stride_lb2_r, row_slot, present, slot_of, num_present, row_scale, s2_expert, stride_s2_n,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, LORA_RANK: tl.constexpr,
-               LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr,
+def _lora_down(y, la2, out_rows, row_valid, w2_operand, offs_n, n_valid, H, slice_col0, b2_expert, bias_weight, a2,
+               b2t, adapters, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+               LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr,
                WEIGHT_GROUP: tl.constexpr):
-    """The fused path's down GEMM of a tile with adapters: the slice's down shrink of each slot group,
-    ``t = y_slice @ A2[stack, slice]^T`` (each row keeps its own slot's columns), its expand ``t @ B2t[stack,
-    h chunk]`` riding the base down loop (``la2``: decode tiles' A2 tile of the first group, loaded before the
-    gate/up loop)."""
+    """The fused path's down GEMM of a tile with adapters (``w2_operand``: an :class:`~.bundles.ExpertOperand`;
+    ``a2``, ``b2t``: the expert's :class:`~.bundles.AdapterRows` of A2 and B2t; ``adapters``: the tile's
+    :class:`~.bundles.TileAdapters`): the slice's down shrink of each slot group, ``t = y_slice @ A2[stack,
+    slice]^T`` (each row keeps its own slot's columns), its expand ``t @ B2t[stack, h chunk]`` riding the base down
+    loop (``la2``: decode tiles' A2 tile of the first group, loaded before the gate/up loop)."""
+    a2_expert, stride_la2_l, stride_la2_r = a2
+    b2t_expert, stride_lb2_l, stride_lb2_r = b2t
+    row_slot, present, slot_of, num_present, row_scale = adapters
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
     la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot=0,
                                         LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
@@ -129,10 +134,10 @@ def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i,
         la2 = _slice_tile(la2_rows, la2_used, offs_n, n_valid)
     lb2_rows, lb2_slot, lb2_used = _stack(b2t_expert, stride_lb2_l, stride_lb2_r, present, slot_of, first_slot=0,
                                           LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)
-    _down_16bit(y, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H,
-                _down_shrink(y, la2, row_slot, d_slot, row_scale), lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0,
-                b2_expert, bias_weight, s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, WITH_BASE=True, WITH_LORA=True,
-                STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
+    _down_16bit(y, out_rows, row_valid, w2_operand, offs_n, n_valid, H,
+                _down_shrink(y, la2, row_slot, d_slot, row_scale), lb2_rows, lb2_used, slice_col0, b2_expert,
+                bias_weight, BLOCK_M, BLOCK_H, WITH_BASE=True, WITH_LORA=True, STAGES=LORA_STAGES,
+                WEIGHT_GROUP=WEIGHT_GROUP)
     if LORA_SLOTS < LORA_IDS:
         # Further slot groups: their own pass over H, atomics on their rows only.
         for first_slot in range(LORA_SLOTS, num_present, LORA_SLOTS):
@@ -140,13 +145,12 @@ def _lora_down(y, la2, out_rows, row_valid, w2_expert, stride_w2_h, stride_w2_i,
                                                 LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
             lb2_rows, lb2_slot, lb2_used = _stack(b2t_expert, stride_lb2_l, stride_lb2_r, present, slot_of, first_slot,
                                                   LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
-            _down_16bit(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_expert,
-                        stride_w2_h, stride_w2_i, offs_n, n_valid, H,
+            _down_16bit(y, out_rows, (row_slot >= first_slot) & (row_slot < first_slot + LORA_SLOTS), w2_operand,
+                        offs_n, n_valid, H,
                         _down_shrink(y, _slice_tile(la2_rows, la2_used, offs_n, n_valid), row_slot, d_slot,
                                      row_scale),
-                        lb2_rows, lb2_used, w2_desc, w2_row0, slice_col0, b2_expert=None, bias_weight=bias_weight,
-                        s2_expert=s2_expert, stride_s2_n=stride_s2_n, BLOCK_M=BLOCK_M, BLOCK_H=BLOCK_H,
-                        WITH_BASE=False, WITH_LORA=True, STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
+                        lb2_rows, lb2_used, slice_col0, b2_expert=None, bias_weight=bias_weight, BLOCK_M=BLOCK_M,
+                        BLOCK_H=BLOCK_H, WITH_BASE=False, WITH_LORA=True, STAGES=LORA_STAGES, WEIGHT_GROUP=WEIGHT_GROUP)
 
 
 @triton.jit

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ..grid_dependency import dependent_launch_prologue
 from .activations import _activate
+from .bundles import AdapterRows, ExpertOperand, ExpertWeights, TileAdapters
 from .epilogues import _cast_rows_last_added, _store_y, _zeroes_unrouted_rows
 from .fused_lora import _lora_down, _lora_gate_up, _lora_tile, _store_down_shrinks
 from .operands import _add_gate_up_bias, _down_16bit, _expert_scales, _gate_up_16bit
@@ -77,49 +78,49 @@ def _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n,
 
 
 @triton.jit
-def _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expert, token, row_valid, route_weight,
-                        slice_id, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+def _intermediate_16bit(x_ptr, stride_x_m, w1, expert, token, row_valid, route_weight, slice_id, H, I,
+                        ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
                         GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """``(y, offs_n, n_valid)``: the slice's activated intermediate [BLOCK_M, BLOCK_N] in x's dtype, routing
-    weight applied, from 16-bit weights (w1: plain [E, 2I, H], gate rows then up rows; interleaved [E, 2*I_pad,
-    H_pad], g0, u0, g1, u1, ...; ``w13_desc``: None, or a tensor descriptor of interleaved w1 viewed [E *
-    2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]; ``w1_bias_ptr``: None or [E, 2I(_pad)] in w1's row order), or
-    from prepared 4-bit weights (w1 packed [E, 2*I_pad, H_pad // 2] uint8, ``w1_scale_ptr`` their group scales
-    [E, 2*I_pad, ...]: ``operands._packed_weight_load``; None for 16-bit weights)."""
+    weight applied. ``w1`` (an :class:`~.bundles.ExpertWeights`): 16-bit weights (plain [E, 2I, H], gate rows then
+    up rows; interleaved [E, 2*I_pad, H_pad], g0, u0, g1, u1, ...; its ``desc``: None, or a tensor descriptor of
+    interleaved w1 viewed [E * 2*I_pad, H_pad], block [2*BLOCK_N, BLOCK_K]; its ``bias_ptr``: None or [E,
+    2I(_pad)] in w1's row order), or prepared 4-bit weights (packed [E, 2*I_pad, H_pad // 2] uint8, its
+    ``scale_ptr`` their group scales [E, 2*I_pad, ...]: ``operands._packed_weight_load``)."""
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
-        x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
+        x_ptr, w1.ptr, expert, token, slice_id, I, stride_x_m, w1.stride_e, w1.stride_n, BLOCK_N)
     s1_expert, stride_s1_n = None, 0
-    if w1_scale_ptr is not None:
-        s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
-    gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                 r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16, STAGES=None,
+    if w1.scale_ptr is not None:
+        s1_expert, stride_s1_n = _expert_scales(w1.ptr, w1.scale_ptr, expert, w1.stride_e, w1.stride_n, WEIGHT_GROUP)
+    w1_operand = ExpertOperand(w1_expert, w1.stride_n, w1.stride_k, w1.desc, w13_row0, s1_expert, stride_s1_n)
+    gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, offs_n, n_valid,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16, STAGES=None,
                                  WEIGHT_GROUP=WEIGHT_GROUP)
-    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
+    y = _activated(gate, up, w1.bias_ptr, expert, w1.stride_bias_e, route_weight, offs_n, n_valid, I, w1.desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     return y, offs_n, n_valid
 
 
 @triton.jit
-def _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
-                      slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e,
+def _down_slice_16bit(y, out_rows, row_valid, w2, expert, route_weight, slice_id, offs_n, n_valid, H,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
                       WEIGHT_GROUP: tl.constexpr):
-    """The slice's down GEMM over all of H added into ``out_rows`` ([BLOCK_M, 1] row pointers), 16-bit w2 [E,
-    H(_pad), I(_pad)] (``w2_desc``: None, or a descriptor of w2 viewed [E * H_pad, I_pad], block [BLOCK_H,
-    BLOCK_N]), with the down bias (``w2_bias_ptr``: None or [E, H(_pad)]) added by the first slice, times the
-    rows' routing weights. 4-bit weights: w2 packed [E, H_pad, I_pad // 2] with ``w2_scale_ptr`` (None: 16-bit)."""
+    """The slice's down GEMM over all of H added into ``out_rows`` ([BLOCK_M, 1] row pointers). ``w2`` (an
+    :class:`~.bundles.ExpertWeights`): 16-bit [E, H(_pad), I(_pad)] (its ``desc``: None, or a descriptor of w2
+    viewed [E * H_pad, I_pad], block [BLOCK_H, BLOCK_N]), with the down bias (None or [E, H(_pad)]) added by the
+    first slice, times the rows' routing weights; or 4-bit, packed [E, H_pad, I_pad // 2] with group scales."""
     b2_expert = None
-    if w2_bias_ptr is not None:
-        b2_expert = w2_bias_ptr + expert * stride_b2_e
-    w2_row0 = (expert * (stride_w2_e // stride_w2_h)).to(tl.int32)
+    if w2.bias_ptr is not None:
+        b2_expert = w2.bias_ptr + expert * w2.stride_bias_e
+    w2_row0 = (expert * (w2.stride_e // w2.stride_n)).to(tl.int32)
     s2_expert, stride_s2_n = None, 0
-    if w2_scale_ptr is not None:
-        s2_expert, stride_s2_n = _expert_scales(w2_ptr, w2_scale_ptr, expert, stride_w2_e, stride_w2_h, WEIGHT_GROUP)
-    _down_16bit(y, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n, n_valid, H, y,
-                offs_n, n_valid, w2_desc, w2_row0, slice_id * BLOCK_N, b2_expert,
-                tl.where(slice_id == 0, route_weight, 0.0), s2_expert, stride_s2_n, BLOCK_M, BLOCK_H, WITH_BASE=True,
+    if w2.scale_ptr is not None:
+        s2_expert, stride_s2_n = _expert_scales(w2.ptr, w2.scale_ptr, expert, w2.stride_e, w2.stride_n, WEIGHT_GROUP)
+    w2_operand = ExpertOperand(w2.ptr + expert * w2.stride_e, w2.stride_n, w2.stride_k, w2.desc, w2_row0, s2_expert,
+                               stride_s2_n)
+    _down_16bit(y, out_rows, row_valid, w2_operand, offs_n, n_valid, H, y, offs_n, n_valid, slice_id * BLOCK_N,
+                b2_expert, tl.where(slice_id == 0, route_weight, 0.0), BLOCK_M, BLOCK_H, WITH_BASE=True,
                 WITH_LORA=False, STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
 
 
@@ -203,29 +204,26 @@ def _fused_kernel(
         tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN=1)
     if expert >= 0:
-        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr,
-                          w2_scale_ptr, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid,
-                          route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e,
-                          stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N,
-                          BLOCK_K, BLOCK_H, WEIGHT_GROUP)
+        w1 = ExpertWeights(w1_ptr, w13_desc, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k,
+                           stride_b1_e)
+        w2 = ExpertWeights(w2_ptr, w2_desc, w2_scale_ptr, w2_bias_ptr, stride_w2_e, stride_w2_h, stride_w2_i,
+                           stride_b2_e)
+        _fused_tile_16bit(x_ptr, stride_x_m, w1, w2, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token,
+                          row_valid, route_weight, H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED,
+                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, WEIGHT_GROUP)
 
 
 @triton.jit
-def _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr, w2_scale_ptr,
-                      out_rows, expert, slice_id, token, row_valid, route_weight, H, I, stride_x_m, stride_w1_e,
-                      stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e,
-                      ACTIVATION: tl.constexpr,
-                      SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                      WEIGHT_GROUP: tl.constexpr):
-    """One program's whole fused forward from 16-bit (or prepared 4-bit) weights: gate/up, activation, down added
-    into ``out_rows``."""
-    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expert, token,
-                                             row_valid, route_weight, slice_id, H, I, stride_x_m, stride_w1_e,
-                                             stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M,
-                                             BLOCK_N, BLOCK_K, WEIGHT_GROUP)
-    _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
-                      slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
+def _fused_tile_16bit(x_ptr, stride_x_m, w1, w2, out_rows, expert, slice_id, token, row_valid, route_weight, H, I,
+                      ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+                      GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
+    """One program's whole fused forward from 16-bit (or prepared 4-bit) weights ``w1`` and ``w2``
+    (:class:`~.bundles.ExpertWeights`): gate/up, activation, down added into ``out_rows``."""
+    y, offs_n, n_valid = _intermediate_16bit(x_ptr, stride_x_m, w1, expert, token, row_valid, route_weight, slice_id,
+                                             H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
+    _down_slice_16bit(y, out_rows, row_valid, w2, expert, route_weight, slice_id, offs_n, n_valid, H, BLOCK_M,
                       BLOCK_N, BLOCK_H, WEIGHT_GROUP)
 
 
@@ -261,11 +259,13 @@ def _fused_cast_kernel(
     if expert >= 0:
         expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid,
                                        num_global_experts, I, BLOCK_N, TOPK, NUM_EXPERTS)
-        _fused_tile_16bit(x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr,
-                          w2_scale_ptr, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid,
-                          route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e,
-                          stride_w2_h, stride_w2_i, stride_b1_e, stride_b2_e, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N,
-                          BLOCK_K, BLOCK_H, WEIGHT_GROUP)
+        w1 = ExpertWeights(w1_ptr, w13_desc, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k,
+                           stride_b1_e)
+        w2 = ExpertWeights(w2_ptr, w2_desc, w2_scale_ptr, w2_bias_ptr, stride_w2_e, stride_w2_h, stride_w2_i,
+                           stride_b2_e)
+        _fused_tile_16bit(x_ptr, stride_x_m, w1, w2, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token,
+                          row_valid, route_weight, H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED,
+                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, WEIGHT_GROUP)
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
                               stride_final_m, BLOCK_M, BLOCK_H, sorted_token_ids_ptr is None)
 
@@ -322,31 +322,32 @@ def _fused_lora_kernel(
     row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
         token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
         (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
+    adapters = TileAdapters(row_slot, present, slot_of, num_present, row_scale)
     s1_expert, stride_s1_n = None, 0
     if w1_scale_ptr is not None:
         s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
+    w1_operand = ExpertOperand(w1_expert, stride_w1_n, stride_w1_k, w13_desc, w13_row0, s1_expert, stride_s1_n)
     if num_present == 0:  # run-time branch: tiles without adapters run the plain loops
-        gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                     r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
+        gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, offs_n,
+                                     n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
                                      STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
         la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)  # (a value leaves a run-time if from both sides)
     else:
-        gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
-                                      offs_r, r_valid, I, H, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                      lora_a13_ptr + expert * stride_la13_e,
-                                      stride_la13_l, stride_la13_r, lora_b13_ptr + expert * stride_lb13_e,
-                                      stride_lb13_l, stride_lb13_r, lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r, row_slot,
-                                      present, slot_of, num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
+        gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H,
+                                      AdapterRows(lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r),
+                                      AdapterRows(lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r),
+                                      AdapterRows(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r),
+                                      adapters, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, LORA_RANK,
+                                      LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
                                    I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     out_rows = out_ptr + token[:, None] * stride_out_m
     if num_present == 0:
-        _down_slice_16bit(y, out_rows, row_valid, w2_ptr, w2_desc, w2_bias_ptr, w2_scale_ptr, expert, route_weight,
-                          slice_id, offs_n, n_valid, H, stride_w2_e, stride_w2_h, stride_w2_i, stride_b2_e, BLOCK_M,
+        w2 = ExpertWeights(w2_ptr, w2_desc, w2_scale_ptr, w2_bias_ptr, stride_w2_e, stride_w2_h, stride_w2_i,
+                           stride_b2_e)
+        _down_slice_16bit(y, out_rows, row_valid, w2, expert, route_weight, slice_id, offs_n, n_valid, H, BLOCK_M,
                           BLOCK_N, BLOCK_H, WEIGHT_GROUP)
     else:
         b2_expert = None
@@ -356,11 +357,12 @@ def _fused_lora_kernel(
         if w2_scale_ptr is not None:
             s2_expert, stride_s2_n = _expert_scales(w2_ptr, w2_scale_ptr, expert, stride_w2_e, stride_w2_h,
                                                     WEIGHT_GROUP)
-        _lora_down(y, la2, out_rows, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, offs_n,
-                   n_valid, H, w2_desc, (expert * (stride_w2_e // stride_w2_h)).to(tl.int32), slice_id * BLOCK_N,
-                   b2_expert, tl.where(slice_id == 0, route_weight, 0.0), lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r,
-                   lora_b2_ptr + expert * stride_lb2_e, stride_lb2_l, stride_lb2_r, row_slot, present, slot_of,
-                   num_present, row_scale, s2_expert, stride_s2_n, BLOCK_M,
+        w2_operand = ExpertOperand(w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, w2_desc,
+                                   (expert * (stride_w2_e // stride_w2_h)).to(tl.int32), s2_expert, stride_s2_n)
+        _lora_down(y, la2, out_rows, row_valid, w2_operand, offs_n, n_valid, H, slice_id * BLOCK_N, b2_expert,
+                   tl.where(slice_id == 0, route_weight, 0.0),
+                   AdapterRows(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r),
+                   AdapterRows(lora_b2_ptr + expert * stride_lb2_e, stride_lb2_l, stride_lb2_r), adapters, BLOCK_M,
                    BLOCK_N, BLOCK_H, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     if final_out_ptr is not None:
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
@@ -396,34 +398,32 @@ def _stage1_kernel(
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
+    # (no down weights here: the bundle's down fields are stage 2's)
+    w1 = ExpertWeights(w1_ptr, w13_desc, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e)
     if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
         tile, _ = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
         tail_m, tail_token, tail_valid, tail_weight = _sorted_rows(tile * BLOCK_M, sorted_token_ids_ptr,
                                                                    sorted_weights_ptr, num_tokens, TAIL_M,
                                                                    IDS_PER_TOKEN)
-        _stage1_rows(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr, expert, slice_id, tail_m, tail_token,
-                     tail_valid, tail_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e,
-                     stride_y_m, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, TAIL_M, BLOCK_N,
+        _stage1_rows(x_ptr, stride_x_m, w1, y_ptr, stride_y_m, expert, slice_id, tail_m, tail_token, tail_valid,
+                     tail_weight, H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, TAIL_M, BLOCK_N,
                      BLOCK_K, WEIGHT_GROUP)
     else:
-        _stage1_rows(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr, expert, slice_id, offs_m, token,
-                     row_valid, route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e,
-                     stride_y_m, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N,
+        _stage1_rows(x_ptr, stride_x_m, w1, y_ptr, stride_y_m, expert, slice_id, offs_m, token, row_valid,
+                     route_weight, H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N,
                      BLOCK_K, WEIGHT_GROUP)
 
 
 @triton.jit
-def _stage1_rows(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr, expert, slice_id, offs_m, token,
-                 row_valid, route_weight, H, I, stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e,
-                 stride_y_m, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+def _stage1_rows(x_ptr, stride_x_m, w1, y_ptr, stride_y_m, expert, slice_id, offs_m, token, row_valid, route_weight,
+                 H, I, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
                  GATE_UP_INTERLEAVED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  WEIGHT_GROUP: tl.constexpr):
-    """Stage 1 of ROWS sorted rows (``offs_m`` and their tokens, validity and routing weights) and one I slice:
-    y stored at the rows."""
-    y, offs_n, n_valid = _intermediate_16bit(x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, expert, token,
-                                             row_valid, route_weight, slice_id, H, I, stride_x_m, stride_w1_e,
-                                             stride_w1_n, stride_w1_k, stride_b1_e, ACTIVATION, SWIGLU_ALPHA,
-                                             SWIGLU_LIMIT, GATE_UP_INTERLEAVED, ROWS, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
+    """Stage 1 of ROWS sorted rows (``offs_m`` and their tokens, validity and routing weights) and one I slice of
+    ``w1`` (an :class:`~.bundles.ExpertWeights`): y stored at the rows."""
+    y, offs_n, n_valid = _intermediate_16bit(x_ptr, stride_x_m, w1, expert, token, row_valid, route_weight, slice_id,
+                                             H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, ROWS,
+                                             BLOCK_N, BLOCK_K, WEIGHT_GROUP)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, y_scale_rows=None,
              slice_id=slice_id)
 
@@ -466,10 +466,10 @@ def _stage1_lora_kernel(
     s1_expert, stride_s1_n = None, 0
     if w1_scale_ptr is not None:
         s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
+    w1_operand = ExpertOperand(w1_expert, stride_w1_n, stride_w1_k, w13_desc, w13_row0, s1_expert, stride_s1_n)
     if lora_delta13_ptr is not None:
-        gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
-                                     r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
+        gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, offs_n,
+                                     n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
                                      STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
         # Rows without an adapter have no delta (their loads are masked off). Nothing of this runs before or
         # lives across the K loop, and in a batch without adapters none of it runs.
@@ -485,19 +485,18 @@ def _stage1_lora_kernel(
             token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
             (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
         if num_present == 0:
-            gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
-                                         offs_r, r_valid, I, H, offs_n, n_valid, w13_desc, w13_row0, s1_expert,
-                                         stride_s1_n, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False,
+            gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, offs_n,
+                                         n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False,
                                          STACK=16, STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
             la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)
         else:
-            gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid,
-                                          offs_r, r_valid, I, H, w13_desc, w13_row0, s1_expert, stride_s1_n,
-                                          lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r,
-                                          lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r,
-                                          a2_expert, stride_la2_l, stride_la2_r, row_slot, present, slot_of,
-                                          num_present, row_scale, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED,
-                                          LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
+            gate, up, la2 = _lora_gate_up(
+                x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H,
+                AdapterRows(lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r),
+                AdapterRows(lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r),
+                AdapterRows(a2_expert, stride_la2_l, stride_la2_r),
+                TileAdapters(row_slot, present, slot_of, num_present, row_scale), BLOCK_M, BLOCK_N, BLOCK_K,
+                GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, y_scale_rows=None,

@@ -30,6 +30,7 @@ import triton.language as tl
 from ..grid_dependency import gdc_wait
 from .operands import _expert_scales, _packed_dot, _packed_weight_load
 from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
+from .bundles import DownDeltas, ExpertWeights, Stage2Tile
 from .tiles import _fits_tail, _grouped_program, _tile_expert
 
 
@@ -183,81 +184,76 @@ def _stage2_kernel(
         BLOCK_K, GROUP_M, SPLIT_K, ATOMIC_OUTPUT, PDL)
     if expert < 0:
         return
+    w2 = ExpertWeights(b_ptr, b_desc, b_scale_ptr, bias_ptr, stride_b_e, stride_b_n, stride_b_k, stride_bias_e)
+    deltas = DownDeltas(token_lora_ids_ptr, lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr,
+                        num_loras, num_shrink_splits, stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r)
+    first_row = tile * BLOCK_M
     if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
-        tail_m, tail_id, tail_valid = _stage2_rows(tile * BLOCK_M, sorted_ids_ptr, num_valid_ids, TAIL_M)
-        _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc=None, b_desc=b_desc, bias_ptr=bias_ptr,
-                     row_weights_ptr=row_weights_ptr, token_lora_ids_ptr=token_lora_ids_ptr,
-                     lora_shrink_ptr=lora_shrink_ptr, lora_b_ptr=lora_b_ptr, lora_scaling_ptr=lora_scaling_ptr,
-                     num_lora_tokens_ptr=num_lora_tokens_ptr, b_rows_per_expert=b_rows_per_expert, expert=expert,
-                     n_block=n_block, k_first=k_first, k_end=k_end, first_row=tile * BLOCK_M, offs_m=tail_m,
-                     row_id=tail_id, row_valid=tail_valid, offs_n=offs_n, n_valid=n_valid, K=K, num_loras=num_loras,
-                     num_shrink_splits=num_shrink_splits, stride_a_m=stride_a_m, stride_b_e=stride_b_e,
-                     stride_b_n=stride_b_n, stride_b_k=stride_b_k, stride_bias_e=stride_bias_e, stride_c_m=stride_c_m,
-                     stride_shrink_split=stride_shrink_split, stride_lb_l=stride_lb_l, stride_lb_e=stride_lb_e,
-                     stride_lb_r=stride_lb_r, ATOMIC_OUTPUT=ATOMIC_OUTPUT, ROWS=TAIL_M, BLOCK_N=BLOCK_N,
+        tail_m, tail_id, tail_valid = _stage2_rows(first_row, sorted_ids_ptr, num_valid_ids, TAIL_M)
+        _stage2_tile(a_ptr, stride_a_m, w2, b_rows_per_expert, c_ptr, stride_c_m, row_weights_ptr, deltas,
+                     Stage2Tile(expert, n_block, k_first, k_end, first_row, tail_m, tail_id, tail_valid, offs_n,
+                                n_valid), K, a_desc=None, ATOMIC_OUTPUT=ATOMIC_OUTPUT, ROWS=TAIL_M, BLOCK_N=BLOCK_N,
                      BLOCK_K=BLOCK_K, LORA_RANK=LORA_RANK, LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS,
                      LORA_SPLITS_PER_STEP=LORA_SPLITS_PER_STEP, IDS_PER_TOKEN=IDS_PER_TOKEN, WEIGHT_GROUP=WEIGHT_GROUP)
     else:
-        _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc, b_desc, bias_ptr, row_weights_ptr, token_lora_ids_ptr,
-                     lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr, b_rows_per_expert, expert,
-                     n_block, k_first, k_end, tile * BLOCK_M, offs_m, row_id, row_valid, offs_n, n_valid, K,
-                     num_loras, num_shrink_splits, stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e,
-                     stride_c_m, stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, ATOMIC_OUTPUT, BLOCK_M,
-                     BLOCK_N, BLOCK_K, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN,
-                     WEIGHT_GROUP)
+        _stage2_tile(a_ptr, stride_a_m, w2, b_rows_per_expert, c_ptr, stride_c_m, row_weights_ptr, deltas,
+                     Stage2Tile(expert, n_block, k_first, k_end, first_row, offs_m, row_id, row_valid, offs_n,
+                                n_valid), K, a_desc=a_desc, ATOMIC_OUTPUT=ATOMIC_OUTPUT, ROWS=BLOCK_M, BLOCK_N=BLOCK_N,
+                     BLOCK_K=BLOCK_K, LORA_RANK=LORA_RANK, LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS,
+                     LORA_SPLITS_PER_STEP=LORA_SPLITS_PER_STEP, IDS_PER_TOKEN=IDS_PER_TOKEN, WEIGHT_GROUP=WEIGHT_GROUP)
 
 
 @triton.jit
-def _stage2_tile(a_ptr, b_ptr, b_scale_ptr, c_ptr, a_desc, b_desc, bias_ptr, row_weights_ptr, token_lora_ids_ptr,
-                 lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_lora_tokens_ptr, b_rows_per_expert, expert, n_block,
-                 k_first, k_end, first_row, offs_m, row_id, row_valid, offs_n, n_valid, K, num_loras,
-                 num_shrink_splits, stride_a_m, stride_b_e, stride_b_n, stride_b_k, stride_bias_e, stride_c_m,
-                 stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, ATOMIC_OUTPUT: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LORA_RANK: tl.constexpr,
-                 LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr, LORA_SPLITS_PER_STEP: tl.constexpr,
-                 IDS_PER_TOKEN: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
-    """Stage 2 of ROWS sorted rows from ``first_row`` (``offs_m``, their ids and validity; see
-    :func:`_stage2_kernel`) and one block of output columns, over the program's share of K: the product, the
-    rows' down deltas and the bias, added (or stored) at the rows' ids."""
+def _stage2_tile(a_ptr, stride_a_m, w2, b_rows_per_expert, c_ptr, stride_c_m, row_weights_ptr, deltas, tile, K,
+                 a_desc, ATOMIC_OUTPUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr,
+                 LORA_SPLITS_PER_STEP: tl.constexpr, IDS_PER_TOKEN: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
+    """Stage 2 of ROWS sorted rows and one block of output columns (``tile``: a :class:`~.bundles.Stage2Tile`),
+    over the program's share of K: the product of A (y, through ``a_desc`` where not None) with ``w2`` (an
+    :class:`~.bundles.ExpertWeights`; its bias added times ``row_weights_ptr``'s routing weights), plus the rows'
+    down deltas (``deltas``: a :class:`~.bundles.DownDeltas`), added (or stored) at the rows' ids (see
+    :func:`_stage2_kernel`)."""
     bs_rows = None
-    if b_scale_ptr is not None:  # (laid out like B's packed rows: operands._expert_scales)
-        bs_expert, stride_bs_n = _expert_scales(b_ptr, b_scale_ptr, expert, stride_b_e, stride_b_n, WEIGHT_GROUP)
-        bs_rows = bs_expert + offs_n * stride_bs_n
-    acc = _tile_gemm_16bit(a_ptr + offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, first_row, row_valid,
-                           b_ptr + expert * stride_b_e, offs_n, b_desc,
-                           (expert * b_rows_per_expert).to(tl.int32) + n_block * BLOCK_N, n_valid, stride_b_n,
-                           stride_b_k, k_first, k_end, K, bs_rows, ROWS, BLOCK_N, BLOCK_K, WEIGHT_GROUP)
-    if lora_shrink_ptr is not None:
+    if w2.scale_ptr is not None:  # (laid out like B's packed rows: operands._expert_scales)
+        bs_expert, stride_bs_n = _expert_scales(w2.ptr, w2.scale_ptr, tile.expert, w2.stride_e, w2.stride_n,
+                                                WEIGHT_GROUP)
+        bs_rows = bs_expert + tile.offs_n * stride_bs_n
+    acc = _tile_gemm_16bit(a_ptr + tile.offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile.first_row,
+                           tile.row_valid, w2.ptr + tile.expert * w2.stride_e, tile.offs_n, w2.desc,
+                           (tile.expert * b_rows_per_expert).to(tl.int32) + tile.n_block * BLOCK_N, tile.n_valid,
+                           w2.stride_n, w2.stride_k, tile.k_first, tile.k_end, K, bs_rows, ROWS, BLOCK_N, BLOCK_K,
+                           WEIGHT_GROUP)
+    if deltas.shrink_ptr is not None:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
-        if (k_first == 0) & (tl.load(num_lora_tokens_ptr) > 0):
-            acc = _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, token_lora_ids_ptr,
-                                   lora_shrink_ptr, lora_b_ptr, lora_scaling_ptr, num_loras, num_shrink_splits,
-                                   stride_shrink_split, stride_lb_l, stride_lb_e, stride_lb_r, LORA_RANK, LORA_IDS,
-                                   LORA_SLOTS, LORA_SPLITS_PER_STEP, IDS_PER_TOKEN)
-    acc = _add_bias(acc, bias_ptr, stride_bias_e, expert, row_weights_ptr, offs_m, offs_n, n_valid, k_first)
-    _write_rows(acc, c_ptr, row_id, row_valid, offs_n, n_valid, stride_c_m, ATOMIC_OUTPUT)
+        if (tile.k_first == 0) & (tl.load(deltas.num_lora_tokens_ptr) > 0):
+            acc = _add_down_deltas(acc, tile, deltas, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_SPLITS_PER_STEP,
+                                   IDS_PER_TOKEN)
+    acc = _add_bias(acc, w2.bias_ptr, w2.stride_bias_e, tile.expert, row_weights_ptr, tile.offs_m, tile.offs_n,
+                    tile.n_valid, tile.k_first)
+    _write_rows(acc, c_ptr, tile.row_id, tile.row_valid, tile.offs_n, tile.n_valid, stride_c_m, ATOMIC_OUTPUT)
 
 
 @triton.jit
-def _add_down_deltas(acc, row_id, row_valid, offs_m, offs_n, n_valid, expert, token_lora_ids_ptr, lora_shrink_ptr,
-                     lora_b_ptr, lora_scaling_ptr, num_loras, num_shrink_splits, stride_shrink_split, stride_lb_l,
-                     stride_lb_e, stride_lb_r, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr,
-                     LORA_SLOTS: tl.constexpr, LORA_SPLITS_PER_STEP: tl.constexpr, IDS_PER_TOKEN: tl.constexpr):
-    """acc plus the rows' down deltas: stage 1's partial shrinks of the rows summed over the I slices, times
-    each row's scaling, expanded with its adapter's ``B2t[:, N block]``, one slot group at a time."""
+def _add_down_deltas(acc, tile, deltas, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr,
+                     LORA_SPLITS_PER_STEP: tl.constexpr, IDS_PER_TOKEN: tl.constexpr):
+    """acc plus the rows' down deltas (``tile``: a :class:`~.bundles.Stage2Tile`; ``deltas``: a
+    :class:`~.bundles.DownDeltas`): stage 1's partial shrinks of the rows summed over the I slices, times each
+    row's scaling, expanded with its adapter's ``B2t[:, N block]``, one slot group at a time."""
+    row_id, row_valid, offs_m, offs_n, n_valid = tile.row_id, tile.row_valid, tile.offs_m, tile.offs_n, tile.n_valid
     row_token = row_id
     if IDS_PER_TOKEN > 1:
         row_token = row_id // IDS_PER_TOKEN
-    row_lora, row_slot, present, slot_of, num_present = _tile_slots(token_lora_ids_ptr, row_token, row_valid, num_loras,
-                                                                    batch_has_lora=True, LORA_IDS=LORA_IDS)
+    row_lora, row_slot, present, slot_of, num_present = _tile_slots(deltas.token_lora_ids_ptr, row_token, row_valid,
+                                                                    deltas.num_loras, batch_has_lora=True,
+                                                                    LORA_IDS=LORA_IDS)
     if num_present > 0:  # (tiles without an adapter in a batch with some: nothing to add)
-        row_scale = tl.load(lora_scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
-        by_rank = _rank_sums(lora_shrink_ptr + offs_m.to(tl.int64) * LORA_RANK, row_slot >= 0, num_shrink_splits,
-                             stride_shrink_split, LORA_RANK, LORA_SPLITS_PER_STEP)
-        b2_expert = lora_b_ptr + expert * stride_lb_e
+        row_scale = tl.load(deltas.scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
+        by_rank = _rank_sums(deltas.shrink_ptr + offs_m.to(tl.int64) * LORA_RANK, row_slot >= 0,
+                             deltas.num_shrink_splits, deltas.stride_shrink_split, LORA_RANK, LORA_SPLITS_PER_STEP)
+        b2_expert = deltas.b_ptr + tile.expert * deltas.stride_b_e
         for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
-            lb_rows, lb_slot, lb_used = _stack(b2_expert, stride_lb_l, stride_lb_r, present, slot_of, first_slot,
-                                               LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
+            lb_rows, lb_slot, lb_used = _stack(b2_expert, deltas.stride_b_l, deltas.stride_b_r, present, slot_of,
+                                               first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
             own = _in_stack_columns(by_rank, row_slot, lb_slot, row_scale, b2_expert.dtype.element_ty, LORA_RANK,
                                     LORA_SLOTS * LORA_RANK)
             acc = tl.dot(own, _slice_tile(lb_rows, lb_used, offs_n, n_valid), acc, input_precision="ieee")

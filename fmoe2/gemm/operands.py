@@ -141,21 +141,23 @@ def _expert_scales(w_ptr, scale_ptr, expert, stride_w_e, stride_w_n, WEIGHT_GROU
 
 
 @triton.jit
-def _gate_up_16bit(x_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r, r_valid, I, H,
-                   la_rows, la_used, w13_desc, w13_row0, s1_expert, stride_s1_n, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
-                   WITH_LORA: tl.constexpr, STACK: tl.constexpr, STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
+def _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, la_rows, la_used,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GATE_UP_INTERLEAVED: tl.constexpr, WITH_LORA: tl.constexpr, STACK: tl.constexpr,
+                   STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32, over all of H) of one slice, 16-bit weights.
 
     ``x_rows``: [BLOCK_M, 1] row pointers of x. STAGES: pipeline depth of the K loop (None: the launch's
-    num_stages). ``w13_desc`` (interleaved weights only; None: pointer loads): a tensor descriptor the weight
-    tiles come through, this slice's first row at ``w13_row0``. ``s1_expert`` (None: 16-bit weights): the
+    num_stages). ``w1_operand``: the expert's w1, an :class:`~.bundles.ExpertOperand`: its ``desc`` (interleaved
+    weights only; None: pointer loads) a tensor descriptor the weight tiles come through, this slice's first row
+    at its ``desc_row0``; its ``scale_ptr`` (None: 16-bit weights) the
     expert's group scales of prepared 4-bit weights (interleaved rows ``stride_s1_n`` apart, WEIGHT_GROUP columns
     per scale), loaded one K step ahead by :func:`_packed_weight_load` and multiplied by :func:`_packed_dot`.
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded); returned third (zeros without).
     """
+    w1_expert, stride_w1_n, stride_w1_k, w13_desc, w13_row0, s1_expert, stride_s1_n = w1_operand
     offs_k = tl.arange(0, BLOCK_K)
     shrink = tl.zeros([BLOCK_M, STACK], dtype=tl.float32)
     if GATE_UP_INTERLEAVED:
@@ -220,10 +222,9 @@ def _add_gate_up_bias(gate, up, b1_expert, offs_n, n_valid, I, GATE_UP_INTERLEAV
 
 
 @triton.jit
-def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs_n, n_valid, H, ds_stacked, lb2_rows,
-                lb2_used, w2_desc, w2_row0, slice_col0, b2_expert, bias_weight, s2_expert, stride_s2_n,
-                BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr, WITH_LORA: tl.constexpr,
-                STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
+def _down_16bit(y, out_rows, row_mask, w2_operand, offs_n, n_valid, H, ds_stacked, lb2_rows, lb2_used, slice_col0,
+                b2_expert, bias_weight, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, WITH_BASE: tl.constexpr,
+                WITH_LORA: tl.constexpr, STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """out[rows] += y @ W2[:, slice]^T (+ ds_stacked @ B2t[lb2_rows]), over H in BLOCK_H chunks, atomically.
 
     ``b2_expert`` (None: no bias; WITH_BASE only): the down bias of the rows' expert, added times
@@ -231,10 +232,12 @@ def _down_16bit(y, out_rows, row_mask, w2_expert, stride_w2_h, stride_w2_i, offs
 
     ``lb2_rows``: [STACK] pointers to the stacked rows of B2t ([R, H], H contiguous) at h = 0;
     WITH_BASE=False adds only the LoRA term (further slot groups); STAGES: pipeline depth (None:
-    the launch's num_stages). ``w2_desc`` (None: pointer loads): a tensor descriptor the weight
-    tiles come through, at (``w2_row0 + h``, ``slice_col0``). ``s2_expert`` (None: 16-bit weights): the expert's
-    group scales of prepared 4-bit weights (rows ``stride_s2_n`` apart; their rows are zero past I, and so is y).
+    the launch's num_stages). ``w2_operand``: the expert's w2, an :class:`~.bundles.ExpertOperand` (rows H,
+    columns I): its ``desc`` (None: pointer loads) a tensor descriptor the weight tiles come through, at
+    (``desc_row0 + h``, ``slice_col0``); its ``scale_ptr`` (None: 16-bit weights) the expert's group scales of
+    prepared 4-bit weights (their rows are zero past I, and so is y).
     """
+    w2_expert, stride_w2_h, stride_w2_i, w2_desc, w2_row0, s2_expert, stride_s2_n = w2_operand
     offs_h0 = tl.arange(0, BLOCK_H)
     if WITH_BASE and s2_expert is not None:  # 4-bit weights: the first chunk's tile, each step loading the next's
         next_packed, next_scales = _packed_weight_load(w2_expert + offs_h0[:, None] * stride_w2_h, slice_col0,
