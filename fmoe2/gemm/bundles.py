@@ -1,10 +1,11 @@
-"""Typed bundles of kernel values: the entry kernels build them from their parameters, the ``@triton.jit`` helpers
-read them by field name (``w2.stride_n``), so a helper takes a few bundles instead of dozens of loose pointers and
-strides. They are ``NamedTuple``s, which Triton compiles to the same code as the loose values (checked: the sm_90
-and gfx942 code of every launch the code-generation report builds came out the same) and the interpreter runs as
-Python tuples. Fields that are None (no bias, 16-bit weights without scales, no descriptor) stay compile-time None,
-so ``if w.bias_ptr is not None`` still compiles the branch out. Constexprs stay separate parameters (a constexpr in
-a bundle passed to a helper is a runtime value to it)."""
+"""Typed bundles of kernel values: the entry kernels build them from their parameters, the ``@triton.jit`` helpers read
+them by field name (``w2.stride_n``), so a helper takes a few bundles instead of dozens of loose pointers and
+strides. They are ``NamedTuple``s, which Triton compiles to the same code as the loose values (checked when the
+helpers took them: the sm_90 and gfx942 code of every launch the code-generation report builds came out the same,
+but one compare with its operands swapped on gfx942) and the interpreter runs as Python tuples. Fields that are None
+(no bias, 16-bit weights without scales, no descriptor) stay compile-time None, so ``if w.bias_ptr is not None``
+still compiles the branch out. Constexprs stay separate parameters (a constexpr in a bundle passed to a helper is a
+runtime value to it)."""
 from typing import Any, NamedTuple
 
 
@@ -20,40 +21,6 @@ class ExpertWeights(NamedTuple):
     stride_n: Any
     stride_k: Any
     stride_bias_e: Any
-
-
-class DownDeltas(NamedTuple):
-    """Stage 2's LoRA down deltas (``grouped_gemm_kernel.py``): stage 1's partial shrinks of the rows and the
-    adapters' ``B2t`` they are expanded with. ``shrink_ptr`` None: no adapters (compiled out)."""
-
-    token_lora_ids_ptr: Any  # [M] int32 adapter per token, -1 = none
-    shrink_ptr: Any  # [num_shrink_splits, num_grid_tiles * BLOCK_M, LORA_RANK] fp32: stage 1's partial shrinks
-    b_ptr: Any  # B2t [L, E, LORA_RANK, N_pad]
-    scaling_ptr: Any  # [L] float32
-    num_lora_tokens_ptr: Any  # [1] int32: tokens with an adapter (from the sort)
-    num_loras: Any
-    num_shrink_splits: Any  # I slices of stage 1
-    stride_shrink_split: Any
-    stride_b_l: Any
-    stride_b_e: Any
-    stride_b_r: Any
-
-
-class Stage2Tile(NamedTuple):
-    """What a stage-2 program computes (``grouped_gemm_kernel._stage2_program``): its tile's expert and rows
-    (from ``first_row``: ``offs_m``, their ids and which are real) and its block of output columns, over its share
-    of K ``[k_first, k_end)``."""
-
-    expert: Any
-    n_block: Any
-    k_first: Any
-    k_end: Any
-    first_row: Any
-    offs_m: Any
-    row_id: Any
-    row_valid: Any
-    offs_n: Any
-    n_valid: Any
 
 
 class Fp8Weights(NamedTuple):
@@ -83,6 +50,40 @@ class ExpertOperand(NamedTuple):
     desc_row0: Any  # the first descriptor row of the expert's (and slice's) tile: descriptor loads only
     scale_ptr: Any  # None (16-bit), or the expert's group scales (``operands._expert_scales``)
     stride_scale_n: Any
+
+
+class Stage2Tile(NamedTuple):
+    """What a stage-2 program computes (``grouped_gemm_kernel._stage2_program``): its tile's expert and rows
+    (from ``first_row``: ``offs_m``, their ids and which are real) and its block of output columns, over its share
+    of K ``[k_first, k_end)``."""
+
+    expert: Any
+    n_block: Any
+    k_first: Any
+    k_end: Any
+    first_row: Any
+    offs_m: Any
+    row_id: Any
+    row_valid: Any
+    offs_n: Any
+    n_valid: Any
+
+
+class DownDeltas(NamedTuple):
+    """Stage 2's LoRA down deltas (``grouped_gemm_kernel.py``): stage 1's partial shrinks of the rows and the
+    adapters' ``B2t`` they are expanded with. ``shrink_ptr`` None: no adapters (compiled out)."""
+
+    token_lora_ids_ptr: Any  # [M] int32 adapter per token, -1 = none
+    shrink_ptr: Any  # [num_shrink_splits, num_grid_tiles * BLOCK_M, LORA_RANK] fp32: stage 1's partial shrinks
+    b2t_ptr: Any  # B2t [L, E, LORA_RANK, N_pad]
+    scaling_ptr: Any  # [L] float32
+    num_lora_tokens_ptr: Any  # [1] int32: tokens with an adapter (from the sort)
+    num_loras: Any
+    num_shrink_splits: Any  # I slices of stage 1
+    stride_shrink_split: Any
+    stride_b2t_l: Any
+    stride_b2t_e: Any
+    stride_b2t_r: Any
 
 
 class AdapterRows(NamedTuple):

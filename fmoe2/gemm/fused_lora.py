@@ -15,8 +15,9 @@ tile that mixes up to LORA_SLOTS adapters costs one product per step, not one pe
   base partial (no extra atomics); on the two-stage path stage 1 stores ``t`` per slice instead
   (:func:`_store_down_shrinks`) and stage 2 sums and expands it.
 
-Every adapter operand is loaded with H or I contiguous (``lora.py``); ``*_expert`` pointers are the operand at
-adapter 0 of the tile's expert, ``stride_*_l`` / ``stride_*_r`` its adapter and row strides. Only tiles whose
+Every adapter operand is loaded with H or I contiguous (``lora.py``); an operand's
+:class:`~.bundles.AdapterRows` hold it at adapter 0 of the tile's expert (``ptr``) and its adapter and row strides
+(``stride_l`` / ``stride_r``). Only tiles whose
 rows use more than LORA_SLOTS adapters (possible when LORA_SLOTS < LORA_IDS) take further passes over H per
 group, with atomic adds into their rows.
 
@@ -55,19 +56,20 @@ def _lora_tile(token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras
 
 
 @triton.jit
-def _lora_gate_up(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, a13, b13, a2, adapters,
+def _lora_gate_up(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, a13, b13t, a2, adapters,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GATE_UP_INTERLEAVED: tl.constexpr, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr,
                   LORA_SLOTS: tl.constexpr, LORA_STAGES: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
     """Gate and up accumulators of a tile with adapters: the base GEMM (``w1_operand``: an
-    :class:`~.bundles.ExpertOperand`) with every slot group's deltas added (``a13``, ``b13``, ``a2``: the expert's
+    :class:`~.bundles.ExpertOperand`) with every slot group's deltas added (``a13``, ``b13t``, ``a2``: the expert's
     :class:`~.bundles.AdapterRows` of A13, B13t and A2; ``adapters``: the tile's :class:`~.bundles.TileAdapters`).
     Returns gate, up and (decode tiles, loaded before the K loop) the slice's stacked A2 tile [STACK, BLOCK_N] of
     the first slot group; other tiles get zeros there and load it after the loop."""
-    a13_expert, stride_la13_l, stride_la13_r = a13
-    b13_expert, stride_lb13_l, stride_lb13_r = b13
-    a2_expert, stride_la2_l, stride_la2_r = a2
-    row_slot, present, slot_of, num_present, row_scale = adapters
+    a13_expert, stride_la13_l, stride_la13_r = a13.ptr, a13.stride_l, a13.stride_r
+    b13_expert, stride_lb13_l, stride_lb13_r = b13t.ptr, b13t.stride_l, b13t.stride_r
+    a2_expert, stride_la2_l, stride_la2_r = a2.ptr, a2.stride_l, a2.stride_r
+    row_slot, present, slot_of = adapters.row_slot, adapters.present, adapters.slot_of
+    num_present, row_scale = adapters.num_present, adapters.row_scale
     STACK: tl.constexpr = LORA_SLOTS * LORA_RANK
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
     dtype = x_rows.dtype.element_ty
@@ -124,9 +126,10 @@ def _lora_down(y, la2, out_rows, row_valid, w2_operand, offs_n, n_valid, H, slic
     :class:`~.bundles.TileAdapters`): the slice's down shrink of each slot group, ``t = y_slice @ A2[stack,
     slice]^T`` (each row keeps its own slot's columns), its expand ``t @ B2t[stack, h chunk]`` riding the base down
     loop (``la2``: decode tiles' A2 tile of the first group, loaded before the gate/up loop)."""
-    a2_expert, stride_la2_l, stride_la2_r = a2
-    b2t_expert, stride_lb2_l, stride_lb2_r = b2t
-    row_slot, present, slot_of, num_present, row_scale = adapters
+    a2_expert, stride_la2_l, stride_la2_r = a2.ptr, a2.stride_l, a2.stride_r
+    b2t_expert, stride_lb2_l, stride_lb2_r = b2t.ptr, b2t.stride_l, b2t.stride_r
+    row_slot, present, slot_of = adapters.row_slot, adapters.present, adapters.slot_of
+    num_present, row_scale = adapters.num_present, adapters.row_scale
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
     la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot=0,
                                         LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)

@@ -398,7 +398,6 @@ def _stage1_kernel(
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
-    # (no down weights here: the bundle's down fields are stage 2's)
     w1 = ExpertWeights(w1_ptr, w13_desc, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e)
     if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
         tile, _ = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -484,6 +483,7 @@ def _stage1_lora_kernel(
         row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
             token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
             (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
+        adapters = TileAdapters(row_slot, present, slot_of, num_present, row_scale)
         if num_present == 0:
             gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, offs_n,
                                          n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False,
@@ -495,7 +495,7 @@ def _stage1_lora_kernel(
                 AdapterRows(lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r),
                 AdapterRows(lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r),
                 AdapterRows(a2_expert, stride_la2_l, stride_la2_r),
-                TileAdapters(row_slot, present, slot_of, num_present, row_scale), BLOCK_M, BLOCK_N, BLOCK_K,
+                adapters, BLOCK_M, BLOCK_N, BLOCK_K,
                 GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from ..grid_dependency import gdc_wait
-from .operands import _expert_scales, _packed_dot, _packed_weight_load
-from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
 from .bundles import DownDeltas, ExpertWeights, Stage2Tile
+from .lora_kernel import _in_stack_columns, _rank_sums, _slice_tile, _stack, _tile_slots
+from .operands import _expert_scales, _packed_dot, _packed_weight_load
 from .tiles import _fits_tail, _grouped_program, _tile_expert
 
 
@@ -204,42 +204,42 @@ def _stage2_kernel(
 
 
 @triton.jit
-def _stage2_tile(a_ptr, stride_a_m, w2, b_rows_per_expert, c_ptr, stride_c_m, row_weights_ptr, deltas, tile, K,
+def _stage2_tile(a_ptr, stride_a_m, w2, b_rows_per_expert, c_ptr, stride_c_m, row_weights_ptr, deltas, work, K,
                  a_desc, ATOMIC_OUTPUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr,
                  LORA_SPLITS_PER_STEP: tl.constexpr, IDS_PER_TOKEN: tl.constexpr, WEIGHT_GROUP: tl.constexpr):
-    """Stage 2 of ROWS sorted rows and one block of output columns (``tile``: a :class:`~.bundles.Stage2Tile`),
+    """Stage 2 of ROWS sorted rows and one block of output columns (``work``: a :class:`~.bundles.Stage2Tile`),
     over the program's share of K: the product of A (y, through ``a_desc`` where not None) with ``w2`` (an
     :class:`~.bundles.ExpertWeights`; its bias added times ``row_weights_ptr``'s routing weights), plus the rows'
     down deltas (``deltas``: a :class:`~.bundles.DownDeltas`), added (or stored) at the rows' ids (see
     :func:`_stage2_kernel`)."""
     bs_rows = None
     if w2.scale_ptr is not None:  # (laid out like B's packed rows: operands._expert_scales)
-        bs_expert, stride_bs_n = _expert_scales(w2.ptr, w2.scale_ptr, tile.expert, w2.stride_e, w2.stride_n,
+        bs_expert, stride_bs_n = _expert_scales(w2.ptr, w2.scale_ptr, work.expert, w2.stride_e, w2.stride_n,
                                                 WEIGHT_GROUP)
-        bs_rows = bs_expert + tile.offs_n * stride_bs_n
-    acc = _tile_gemm_16bit(a_ptr + tile.offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, tile.first_row,
-                           tile.row_valid, w2.ptr + tile.expert * w2.stride_e, tile.offs_n, w2.desc,
-                           (tile.expert * b_rows_per_expert).to(tl.int32) + tile.n_block * BLOCK_N, tile.n_valid,
-                           w2.stride_n, w2.stride_k, tile.k_first, tile.k_end, K, bs_rows, ROWS, BLOCK_N, BLOCK_K,
+        bs_rows = bs_expert + work.offs_n * stride_bs_n
+    acc = _tile_gemm_16bit(a_ptr + work.offs_m.to(tl.int64)[:, None] * stride_a_m, a_desc, work.first_row,
+                           work.row_valid, w2.ptr + work.expert * w2.stride_e, work.offs_n, w2.desc,
+                           (work.expert * b_rows_per_expert).to(tl.int32) + work.n_block * BLOCK_N, work.n_valid,
+                           w2.stride_n, w2.stride_k, work.k_first, work.k_end, K, bs_rows, ROWS, BLOCK_N, BLOCK_K,
                            WEIGHT_GROUP)
     if deltas.shrink_ptr is not None:
         # The first K share adds the deltas; a batch without adapters skips even numbering slots.
-        if (tile.k_first == 0) & (tl.load(deltas.num_lora_tokens_ptr) > 0):
-            acc = _add_down_deltas(acc, tile, deltas, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_SPLITS_PER_STEP,
+        if (work.k_first == 0) & (tl.load(deltas.num_lora_tokens_ptr) > 0):
+            acc = _add_down_deltas(acc, work, deltas, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_SPLITS_PER_STEP,
                                    IDS_PER_TOKEN)
-    acc = _add_bias(acc, w2.bias_ptr, w2.stride_bias_e, tile.expert, row_weights_ptr, tile.offs_m, tile.offs_n,
-                    tile.n_valid, tile.k_first)
-    _write_rows(acc, c_ptr, tile.row_id, tile.row_valid, tile.offs_n, tile.n_valid, stride_c_m, ATOMIC_OUTPUT)
+    acc = _add_bias(acc, w2.bias_ptr, w2.stride_bias_e, work.expert, row_weights_ptr, work.offs_m, work.offs_n,
+                    work.n_valid, work.k_first)
+    _write_rows(acc, c_ptr, work.row_id, work.row_valid, work.offs_n, work.n_valid, stride_c_m, ATOMIC_OUTPUT)
 
 
 @triton.jit
-def _add_down_deltas(acc, tile, deltas, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr,
+def _add_down_deltas(acc, work, deltas, LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr,
                      LORA_SPLITS_PER_STEP: tl.constexpr, IDS_PER_TOKEN: tl.constexpr):
-    """acc plus the rows' down deltas (``tile``: a :class:`~.bundles.Stage2Tile`; ``deltas``: a
+    """acc plus the rows' down deltas (``work``: a :class:`~.bundles.Stage2Tile`; ``deltas``: a
     :class:`~.bundles.DownDeltas`): stage 1's partial shrinks of the rows summed over the I slices, times each
     row's scaling, expanded with its adapter's ``B2t[:, N block]``, one slot group at a time."""
-    row_id, row_valid, offs_m, offs_n, n_valid = tile.row_id, tile.row_valid, tile.offs_m, tile.offs_n, tile.n_valid
+    row_id, row_valid, offs_m, offs_n, n_valid = work.row_id, work.row_valid, work.offs_m, work.offs_n, work.n_valid
     row_token = row_id
     if IDS_PER_TOKEN > 1:
         row_token = row_id // IDS_PER_TOKEN
@@ -250,9 +250,9 @@ def _add_down_deltas(acc, tile, deltas, LORA_RANK: tl.constexpr, LORA_IDS: tl.co
         row_scale = tl.load(deltas.scaling_ptr + row_lora, mask=row_lora >= 0, other=0.0)
         by_rank = _rank_sums(deltas.shrink_ptr + offs_m.to(tl.int64) * LORA_RANK, row_slot >= 0,
                              deltas.num_shrink_splits, deltas.stride_shrink_split, LORA_RANK, LORA_SPLITS_PER_STEP)
-        b2_expert = deltas.b_ptr + tile.expert * deltas.stride_b_e
+        b2_expert = deltas.b2t_ptr + work.expert * deltas.stride_b2t_e
         for first_slot in range(0, num_present, LORA_SLOTS):  # one slot group unless a tile mixes more
-            lb_rows, lb_slot, lb_used = _stack(b2_expert, deltas.stride_b_l, deltas.stride_b_r, present, slot_of,
+            lb_rows, lb_slot, lb_used = _stack(b2_expert, deltas.stride_b2t_l, deltas.stride_b2t_r, present, slot_of,
                                                first_slot, LORA_IDS, LORA_SLOTS, LORA_RANK, PARTS=1)
             own = _in_stack_columns(by_rank, row_slot, lb_slot, row_scale, b2_expert.dtype.element_ty, LORA_RANK,
                                     LORA_SLOTS * LORA_RANK)

@@ -1,10 +1,11 @@
 """The 16-bit GEMM loops of the fused kernels: gate/up over H, and down over H in chunks, and the gate/up bias.
 
-16-bit weights (bf16/fp16, fp32 for tests) are the base format: :func:`_gate_up_16bit` and :func:`_down_16bit`
-also carry the LoRA operands (the stacked shrink rides the gate/up K loop, the expand the down loop;
-``lora_kernel.py``). Other weight formats have their loops in a module of their own (``fp8_weights.py``). ``stride_w1_k`` / ``stride_w2_i`` are 1 (a constant) but for
-transposed weights read in place. Dots use input_precision="ieee": exact fp32 products for fp32 inputs (a
-testing dtype) and no effect on bf16/fp16 inputs; it is the one precision every backend accepts.
+16-bit weights (bf16/fp16, fp32 for tests) are the base format: :func:`_gate_up_16bit` and :func:`_down_16bit` also
+carry the LoRA operands (the stacked shrink rides the gate/up K loop, the expand the down loop; ``lora_kernel.py``).
+Other weight formats have their loops in a module of their own (``fp8_weights.py``). The weights' K strides
+(``ExpertOperand.stride_k``) are 1 (a constant) but for transposed weights read in place. Dots use
+input_precision="ieee": exact fp32 products for fp32 inputs (a testing dtype) and no effect on bf16/fp16 inputs; it
+is the one precision every backend accepts.
 
 Weight tiles come through pointers as ``[K, N]``, the dot's own operand shape, whichever of the weight's
 dimensions is contiguous. For K-contiguous weights (``[E, 2I, H]``) the gate/up loop compiles to the same PTX as an
@@ -150,14 +151,16 @@ def _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_val
     ``x_rows``: [BLOCK_M, 1] row pointers of x. STAGES: pipeline depth of the K loop (None: the launch's
     num_stages). ``w1_operand``: the expert's w1, an :class:`~.bundles.ExpertOperand`: its ``desc`` (interleaved
     weights only; None: pointer loads) a tensor descriptor the weight tiles come through, this slice's first row
-    at its ``desc_row0``; its ``scale_ptr`` (None: 16-bit weights) the
-    expert's group scales of prepared 4-bit weights (interleaved rows ``stride_s1_n`` apart, WEIGHT_GROUP columns
+    at its ``desc_row0``; its ``scale_ptr`` (None: 16-bit weights) the expert's group scales of prepared 4-bit
+    weights (interleaved rows ``stride_scale_n`` apart, WEIGHT_GROUP columns
     per scale), loaded one K step ahead by :func:`_packed_weight_load` and multiplied by :func:`_packed_dot`.
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded); returned third (zeros without).
     """
-    w1_expert, stride_w1_n, stride_w1_k, w13_desc, w13_row0, s1_expert, stride_s1_n = w1_operand
+    w1_expert, stride_w1_n, stride_w1_k = w1_operand.ptr, w1_operand.stride_n, w1_operand.stride_k
+    w13_desc, w13_row0 = w1_operand.desc, w1_operand.desc_row0
+    s1_expert, stride_s1_n = w1_operand.scale_ptr, w1_operand.stride_scale_n
     offs_k = tl.arange(0, BLOCK_K)
     shrink = tl.zeros([BLOCK_M, STACK], dtype=tl.float32)
     if GATE_UP_INTERLEAVED:
@@ -237,7 +240,9 @@ def _down_16bit(y, out_rows, row_mask, w2_operand, offs_n, n_valid, H, ds_stacke
     (``desc_row0 + h``, ``slice_col0``); its ``scale_ptr`` (None: 16-bit weights) the expert's group scales of
     prepared 4-bit weights (their rows are zero past I, and so is y).
     """
-    w2_expert, stride_w2_h, stride_w2_i, w2_desc, w2_row0, s2_expert, stride_s2_n = w2_operand
+    w2_expert, stride_w2_h, stride_w2_i = w2_operand.ptr, w2_operand.stride_n, w2_operand.stride_k
+    w2_desc, w2_row0 = w2_operand.desc, w2_operand.desc_row0
+    s2_expert, stride_s2_n = w2_operand.scale_ptr, w2_operand.stride_scale_n
     offs_h0 = tl.arange(0, BLOCK_H)
     if WITH_BASE and s2_expert is not None:  # 4-bit weights: the first chunk's tile, each step loading the next's
         next_packed, next_scales = _packed_weight_load(w2_expert + offs_h0[:, None] * stride_w2_h, slice_col0,
