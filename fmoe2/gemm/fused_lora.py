@@ -157,12 +157,15 @@ def _lora_down(y, la2, out_rows, row_valid, w2_operand, offs_n, n_valid, H, slic
 
 
 @triton.jit
-def _store_down_shrinks(y, la2, shrink_rows, offs_n, n_valid, a2_expert, stride_la2_l, stride_la2_r, row_slot,
-                        present, slot_of, num_present, BLOCK_N: tl.constexpr, LORA_RANK: tl.constexpr,
-                        LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr):
-    """Stage 1 computing the deltas itself: this slice's down shrink of each row with an adapter, stored at
-    ``shrink_rows`` ([BLOCK_M] pointers to the rows' LORA_RANK floats of this slice), for stage 2 to sum over
-    the slices and expand (``grouped_gemm_kernel.py``)."""
+def _store_down_shrinks(y, la2, shrink_rows, offs_n, n_valid, a2, adapters, BLOCK_N: tl.constexpr,
+                        LORA_RANK: tl.constexpr, LORA_IDS: tl.constexpr, LORA_SLOTS: tl.constexpr):
+    """Stage 1 computing the deltas itself: this slice's down shrink of each row with an adapter (``a2``: the
+    expert's :class:`~.bundles.AdapterRows` of A2; ``adapters``: the tile's :class:`~.bundles.TileAdapters`),
+    stored at ``shrink_rows`` ([BLOCK_M] pointers to the rows' LORA_RANK floats of this slice), for stage 2 to sum
+    over the slices and expand (``grouped_gemm_kernel.py``)."""
+    a2_expert, stride_la2_l, stride_la2_r = a2.ptr, a2.stride_l, a2.stride_r
+    row_slot, present, slot_of = adapters.row_slot, adapters.present, adapters.slot_of
+    num_present = adapters.num_present
     LORA_DECODE: tl.constexpr = (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048)  # see the module docstring
     la2_rows, d_slot, la2_used = _stack(a2_expert, stride_la2_l, stride_la2_r, present, slot_of, first_slot=0,
                                         LORA_IDS=LORA_IDS, LORA_SLOTS=LORA_SLOTS, WIDTH=LORA_RANK, PARTS=1)

@@ -479,7 +479,7 @@ def _stage1_lora_kernel(
             gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
             up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
     else:
-        a2_expert = lora_a2_ptr + expert * stride_la2_e
+        a2 = AdapterRows(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r)
         row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
             token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
             (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
@@ -494,9 +494,8 @@ def _stage1_lora_kernel(
                 x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H,
                 AdapterRows(lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r),
                 AdapterRows(lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r),
-                AdapterRows(a2_expert, stride_la2_l, stride_la2_r),
-                adapters, BLOCK_M, BLOCK_N, BLOCK_K,
-                GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
+                a2, adapters, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS,
+                LORA_STAGES, WEIGHT_GROUP)
     y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, y_scale_rows=None,
@@ -504,7 +503,6 @@ def _stage1_lora_kernel(
     if lora_delta13_ptr is None:
         if num_present > 0:
             _store_down_shrinks(y, la2, lora_shrink2_ptr + slice_id * stride_shrink2_split
-                                + offs_m.to(tl.int64) * LORA_RANK, offs_n, n_valid, a2_expert, stride_la2_l,
-                                stride_la2_r, row_slot, present, slot_of, num_present, BLOCK_N, LORA_RANK, LORA_IDS,
-                                LORA_SLOTS)
+                                + offs_m.to(tl.int64) * LORA_RANK, offs_n, n_valid, a2, adapters, BLOCK_N, LORA_RANK,
+                                LORA_IDS, LORA_SLOTS)
 
