@@ -150,7 +150,7 @@ def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Gene
     hit = int(torch.unique(ti).numel())
     floor = floor_us(hit * 3 * w.H * w.I * w.bits_per_value / 8 + 2 * M * w.H * 2, 2 * M * w.topk * 3 * w.H * w.I,
                      ceilings)
-    row = dict(shape=w.name, format=f"int4-g{w.group}" if w.fmt == "int4" else w.fmt, E=w.E, H=w.H, I=w.I, topk=w.topk, M=M, experts_hit=hit,
+    row = dict(shape=w.name, format=w.fmt, group=w.group, E=w.E, H=w.H, I=w.I, topk=w.topk, M=M, experts_hit=hit,
                bits_per_value=w.bits_per_value, floor_us=floor, us=times, rel_err=errors, failed=failed,
                vllm_config=cfg.__dict__)
     if search_configs:
@@ -164,6 +164,11 @@ def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Gene
     return row
 
 
+def _format_label(row: dict) -> str:
+    """The table's name of a row's format: int4 with its group (which depends on the shape: :func:`int4_group`)."""
+    return f"int4-g{row['group']}" if row["format"] == "int4" and row.get("group") else row["format"]
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Weight-only quantized expert weights against bf16 ({result['device']})", "", provenance_line(result),
              "", "Times in us per forward (CUDA graphs, median); `x bf16`: the bf16 forward's time over the quantized "
@@ -174,7 +179,8 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         us, f = r["us"], r["format"]
-        lines.append(f"| {r['shape']} | {f} | {r['M']} | {us['bf16']:.1f} | {us[f]:.1f} | {us['bf16'] / us[f]:.2f} | "
+        lines.append(f"| {r['shape']} | {_format_label(r)} | {r['M']} | {us['bf16']:.1f} | {us[f]:.1f} | "
+                     f"{us['bf16'] / us[f]:.2f} | "
                      f"{r['floor_us']:.1f} | {r['floor_us'] / us[f]:.0%} | {us['vllm-w4a16']:.1f} | "
                      f"{us['vllm-w4a16'] / us[f]:.2f} | {r['rel_err'][f]:.1e} |")
     rows = [r for r in result["rows"] if "searched" in r]
@@ -187,7 +193,8 @@ def markdown(result: dict) -> str:
             s, c = r["searched"], r["searched"]["config"]
             tiles = (f"{c.get('path')} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} h{c.get('BLOCK_H')}, "
                      f"{c['num_warps']}w{c['num_stages']}s")
-            lines.append(f"| {r['shape']} | {r['format']} | {r['M']} | {s['us']:.1f} | {r['us']['bf16'] / s['us']:.2f} | "
+            lines.append(f"| {r['shape']} | {_format_label(r)} | {r['M']} | {s['us']:.1f} | "
+                         f"{r['us']['bf16'] / s['us']:.2f} | "
                          f"{r['floor_us'] / s['us']:.0%} | {s['rel_err']:.1e} | {s['tried']} | {tiles} |")
     return "\n".join(lines) + "\n"
 

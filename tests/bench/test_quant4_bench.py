@@ -15,3 +15,18 @@ def test_int4_group_divides_both_k_sizes():
         if H % 32 == 0 and I % 32 == 0:
             group = int4_group(H, I)
             assert H % group == 0 and I % group == 0, name
+
+
+def test_the_report_names_int4_with_its_group():
+    from fmoe2.bench.quant4 import markdown
+
+    def row(fmt, group):
+        us = {"bf16": 100.0, fmt: 50.0, "vllm-w4a16": 80.0}
+        return dict(shape="gpt-oss-20b", format=fmt, group=group, M=16, us=us, floor_us=25.0,
+                    rel_err={"bf16": 1e-3, fmt: 4e-3})
+
+    result = dict(device="GPU X", date="d", torch="t", triton="tr", command="c",
+                  ceilings={"copy_bytes_per_s": 4.2e12}, rows=[row("int4", 64), row("mxfp4", 32)])
+    text = markdown(result)
+    assert "| gpt-oss-20b | int4-g64 | 16 | 100.0 | 50.0 | 2.00 | 25.0 | 50% | 80.0 | 1.60 | 4.0e-03 |" in text
+    assert "| gpt-oss-20b | mxfp4 | 16 |" in text
