@@ -122,4 +122,4 @@ def test_get_config_answers_what_the_forward_of_each_format_runs(name, path):
     if WEIGHT_FORMATS[name].weight_only:  # (the 16-bit pick, fitted: a different config where the fit bites)
         assert asked == fit_packed_config(fmoe2.get_config(5, E, H, I, 2, dtype, path=path,
                                                            device=x.device if DEVICE != "cpu" else None),
-                                          target_of(x.device).warp_size)
+                                          target_of(x.device).warp_size, weight_format=name)

@@ -391,26 +391,40 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
 # thread at 8 warps) took 255 registers and spilled on sm_90; halving BLOCK_K there removed the spills.
 # With adapters (whose operands the fused kernel also holds) or tiles of more than 32 rows (whose accumulators take
 # more registers) half that: at 64, the M=1 and M=16 picks with rank-16 adapters spilled 7-10 instructions on sm_90,
-# and the M=4096 picks (128-row tiles, the next step's tile loaded ahead) 3-48.
+# and the M=4096 picks (128-row tiles, with a loader of the time that loaded the next step's tile ahead) 3-48.
 PACKED_TILE_ELEMENTS_PER_THREAD = 64
 
 
-def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = False) -> FusedMoEConfig:
+# The least K step of a weight-only format's loops: 16 bytes of a packed row (32 columns of 4-bit values, 16 of
+# int8) (BLOCK_K, S2_BLOCK_K, and on the fused path the slice BLOCK_N, the down GEMM's K step). On an H200 (Triton
+# 3.6, bf16) 4-bit K steps of 16 columns (8 bytes a row) in the pipelined weight loads came out wrong (relative
+# errors 1.0-3.2, mxfp4 and int4 alike, any group, also at num_stages=1) where the interpreter and steps of 32 were
+# right; int8's steps of 16 were right. No pick and no tuned entry has a K step below 32: only a caller's config
+# is raised.
+LEAST_PACKED_K_STEP = {"mxfp4": 32, "int4": 32, "int8": 16}
+
+
+def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = False, *,
+                      weight_format: str) -> FusedMoEConfig:
     """A config fitted for prepared 4-bit weights: the K steps of the gate/up tile (``2*BLOCK_N x BLOCK_K``), the
     down chunks (``BLOCK_H x BLOCK_N``) and stage 2's K steps (``S2_BLOCK_N x S2_BLOCK_K``) halved (not below 32)
     until each tile holds at most :data:`PACKED_TILE_ELEMENTS_PER_THREAD` elements per thread (half with
-    adapters or more than 32 rows per tile)."""
+    adapters or more than 32 rows per tile); the K steps of ``weight_format`` (mxfp4, int4 or int8) at least its
+    :data:`LEAST_PACKED_K_STEP`."""
     limit = PACKED_TILE_ELEMENTS_PER_THREAD * warp_size // (2 if lora or cfg.BLOCK_M > 32 else 1)
+    least_step = LEAST_PACKED_K_STEP[weight_format]
 
     def fitted(block, other, warps):
         while block > 32 and block * other > limit * warps:
             block //= 2
         return block
 
-    changes = dict(BLOCK_K=fitted(cfg.BLOCK_K, 2 * cfg.BLOCK_N, cfg.num_warps),
-                   BLOCK_H=fitted(cfg.BLOCK_H, cfg.BLOCK_N, cfg.num_warps))
+    block_n = max(cfg.BLOCK_N, least_step) if cfg.path == "fused" else cfg.BLOCK_N
+    changes = dict(BLOCK_N=block_n, BLOCK_K=max(fitted(cfg.BLOCK_K, 2 * block_n, cfg.num_warps), least_step),
+                   BLOCK_H=fitted(cfg.BLOCK_H, block_n, cfg.num_warps))
     if cfg.path == "two_stage":
-        changes["S2_BLOCK_K"] = fitted(cfg.S2_BLOCK_K, cfg.S2_BLOCK_N, cfg.s2_num_warps or cfg.num_warps)
+        changes["S2_BLOCK_K"] = max(fitted(cfg.S2_BLOCK_K, cfg.S2_BLOCK_N, cfg.s2_num_warps or cfg.num_warps),
+                                    least_step)
     return replace(cfg, **changes)
 
 
@@ -597,7 +611,7 @@ def resolve_config(problem: ConfigProblem, mode: ConfigMode, target: Target, con
     """
     config = _resolve(problem, mode, target, config, path, tuned_for, config_dir)
     if mode.weight_only:
-        config = fit_packed_config(config, target.warp_size, lora=mode.lora)
+        config = fit_packed_config(config, target.warp_size, lora=mode.lora, weight_format=mode.weight_format)
     return config
 
 

@@ -61,9 +61,6 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_expert, offs_n, b_desc
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_rows = b_expert + offs_n[:, None] * stride_b_n  # [BLOCK_N, 1] (4-bit loads)
     b_cols = b_expert + offs_n[None, :] * stride_b_n  # [1, BLOCK_N] (16-bit [K, N] tiles)
-    if bs_rows is not None:  # 4-bit B: the first step's tile, each step then loading the next one's
-        next_packed, next_scales = _packed_weight_load(b_rows, k_first, stride_b_n, n_valid, bs_rows, BLOCK_K,
-                                                       WEIGHT_GROUP)
     for k0 in range(k_first, k_end, BLOCK_K):
         k = k0 + offs_k
         k_valid = k < K
@@ -72,9 +69,7 @@ def _tile_gemm_16bit(a_rows, a_desc, a_row0, row_valid, b_expert, offs_n, b_desc
         else:
             a = tl.load(a_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         if bs_rows is not None:
-            packed, scales = next_packed, next_scales
-            next_packed, next_scales = _packed_weight_load(b_rows, k0 + BLOCK_K, stride_b_n, n_valid, bs_rows,
-                                                           BLOCK_K, WEIGHT_GROUP)
+            packed, scales = _packed_weight_load(b_rows, k0, stride_b_n, n_valid, bs_rows, BLOCK_K, WEIGHT_GROUP)
             acc = _packed_dot(a, packed, scales, acc, BLOCK_K, WEIGHT_GROUP)
         elif b_desc is not None:
             acc = tl.dot(a, tl.trans(b_desc.load([b_row0, k0])), acc, input_precision="ieee")

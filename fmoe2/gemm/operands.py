@@ -51,30 +51,27 @@ def _packed_weight_load(w_rows, k0, row_bytes, rows_valid, s_rows, BLOCK_K: tl.c
     per byte, the even one in the low nibble; int8: one per byte), ``row_bytes`` long (the prepared row: zero past
     the logical K, whole groups); ``s_rows``: [ROWS] pointers to the rows' scales, uint8 e8m0 (mxfp4), (scale,
     zero) pairs (int4) or floats (int8), one per GROUP columns. Bytes past the row, and invalid rows, load as zero
-    bytes and scales (a tile wholly past the row: all zero, so the loops may load the next step's tile ahead:
-    Triton's pipeliner does not stage a load whose value is converted before the dot, and a load waited for at
-    every step left the 4-bit forward latency-bound). The mask is by whole bytes of a row whose length is a multiple
-    of 16 (the JIT's hint): the loads stay vectorised (masking by the logical K made them byte loads)."""
+    bytes and scales. The mask is by whole bytes of a row whose length is a multiple of 16 (the JIT's hint): the
+    loads stay vectorised (masking by the logical K made them byte loads). The loops call it for the step they
+    multiply, so Triton's pipeliner stages the loads through shared memory (cp.async, num_stages deep; an earlier
+    loop that loaded the next step's tile into registers by hand kept them out of the pipeline: no cp.async for the
+    weights in the sm_90 code, and 0.34-0.78x the bf16 forward's speed for int8 on an H200)."""
     ROWS: tl.constexpr = rows_valid.shape[0]
     PER_BYTE: tl.constexpr = 1 if w_rows.dtype.element_ty == tl.int8 else 2
     PAIRS: tl.constexpr = PER_BYTE == 2 and s_rows.dtype.element_ty != tl.uint8  # int4's (scale, zero)
     kb = k0 // PER_BYTE + tl.arange(0, BLOCK_K // PER_BYTE)
     packed = tl.load(w_rows + kb[None, :], mask=rows_valid[:, None] & (kb < row_bytes)[None, :], other=0)
-    if BLOCK_K >= GROUP:  # BLOCK_K // GROUP groups per step
-        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        g_mask = rows_valid[:, None] & (g < row_bytes * PER_BYTE // GROUP)[None, :]
-        if PAIRS:
-            scales = tl.load(s_rows[:, None, None] + (2 * g)[None, :, None] + tl.arange(0, 2)[None, None, :],
-                             mask=g_mask[:, :, None], other=0.0)
-        else:
-            scales = tl.load(s_rows[:, None] + g[None, :], mask=g_mask, other=0)
-    else:  # one group over several steps
-        g = k0 // GROUP
-        g_mask = rows_valid & ((tl.zeros([ROWS], dtype=tl.int32) + k0) < PER_BYTE * row_bytes)
-        if PAIRS:
-            scales = tl.load(s_rows[:, None] + 2 * g + tl.arange(0, 2)[None, :], mask=g_mask[:, None], other=0.0)
-        else:
-            scales = tl.load(s_rows + g, mask=g_mask, other=0)
+    # BLOCK_K // GROUP groups per step, or one group over several steps: the scales [ROWS, groups] (x 2 for int4's
+    # pairs) either way, the dequant's shapes then alike. (Steps of 8 bytes a row came out wrong on an H200 where
+    # the interpreter was right: configs never ask them, LEAST_PACKED_K_STEP of gemm/config.py.)
+    GROUPS: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1
+    g = k0 // GROUP + tl.arange(0, GROUPS)
+    g_mask = rows_valid[:, None] & (g < row_bytes * PER_BYTE // GROUP)[None, :]
+    if PAIRS:
+        scales = tl.load(s_rows[:, None, None] + (2 * g)[None, :, None] + tl.arange(0, 2)[None, None, :],
+                         mask=g_mask[:, :, None], other=0.0)
+    else:
+        scales = tl.load(s_rows[:, None] + g[None, :], mask=g_mask, other=0)
     return packed, scales
 
 
@@ -111,11 +108,9 @@ def _packed_weight_dequant(packed, scales, BLOCK_K: tl.constexpr, GROUP: tl.cons
         else:
             w = tl.join(_uint4_values(packed & 15), _uint4_values(packed >> 4))
         w = tl.reshape(w, [ROWS, BLOCK_K])  # (column 2j from the low nibble, 2j + 1 from the high one)
-    if BLOCK_K >= GROUP:
-        w = tl.reshape(_scaled_by_group(tl.reshape(w, [ROWS, BLOCK_K // GROUP, GROUP]), scales, MXFP4, INT8),
-                       [ROWS, BLOCK_K])
-    else:
-        w = _scaled_by_group(w, scales, MXFP4, INT8)
+    GROUPS: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1  # (the scales' axis 1)
+    w = tl.reshape(_scaled_by_group(tl.reshape(w, [ROWS, GROUPS, BLOCK_K // GROUPS]), scales, MXFP4, INT8),
+                   [ROWS, BLOCK_K])
     return w.to(dtype)
 
 
@@ -153,7 +148,7 @@ def _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_val
     weights only; None: pointer loads) a tensor descriptor the weight tiles come through, this slice's first row
     at its ``desc_row0``; its ``scale_ptr`` (None: 16-bit weights) the expert's group scales of prepared 4-bit
     weights (interleaved rows ``stride_scale_n`` apart, WEIGHT_GROUP columns
-    per scale), loaded one K step ahead by :func:`_packed_weight_load` and multiplied by :func:`_packed_dot`.
+    per scale), loaded by :func:`_packed_weight_load` and multiplied by :func:`_packed_dot`.
 
     WITH_LORA: also the stacked shrink ``x @ A[la_rows]^T`` [BLOCK_M, STACK] from the same x tiles
     (``la_rows``: [STACK] row pointers, ``la_used``: which are loaded); returned third (zeros without).
@@ -167,18 +162,14 @@ def _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_val
         w_rows = w1_expert + offs_r[:, None] * stride_w1_n  # [2*BLOCK_N, 1] (4-bit loads)
         w_cols = w1_expert + offs_r[None, :] * stride_w1_n  # [1, 2*BLOCK_N] (16-bit [K, N] tiles)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        if s1_expert is not None:  # 4-bit weights: the first step's tile, each step then loading the next one's
+        if s1_expert is not None:
             s_rows = s1_expert + offs_r * stride_s1_n
-            next_packed, next_scales = _packed_weight_load(w_rows, k0=0, row_bytes=stride_w1_n, rows_valid=r_valid,
-                                                           s_rows=s_rows, BLOCK_K=BLOCK_K, GROUP=WEIGHT_GROUP)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k = k0 + offs_k
             k_valid = k < H
             a = tl.load(x_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             if s1_expert is not None:
-                packed, scales = next_packed, next_scales
-                next_packed, next_scales = _packed_weight_load(w_rows, k0 + BLOCK_K, stride_w1_n, r_valid, s_rows,
-                                                               BLOCK_K, WEIGHT_GROUP)
+                packed, scales = _packed_weight_load(w_rows, k0, stride_w1_n, r_valid, s_rows, BLOCK_K, WEIGHT_GROUP)
                 acc = _packed_dot(a, packed, scales, acc, BLOCK_K, WEIGHT_GROUP)
             else:
                 if w13_desc is not None:  # rows past this expert's 2*I_pad are the next expert's: masked later
@@ -244,21 +235,13 @@ def _down_16bit(y, out_rows, row_mask, w2_operand, offs_n, n_valid, H, ds_stacke
     w2_desc, w2_row0 = w2_operand.desc, w2_operand.desc_row0
     s2_expert, stride_s2_n = w2_operand.scale_ptr, w2_operand.stride_scale_n
     offs_h0 = tl.arange(0, BLOCK_H)
-    if WITH_BASE and s2_expert is not None:  # 4-bit weights: the first chunk's tile, each step loading the next's
-        next_packed, next_scales = _packed_weight_load(w2_expert + offs_h0[:, None] * stride_w2_h, slice_col0,
-                                                       stride_w2_h, offs_h0 < H, s2_expert + offs_h0 * stride_s2_n, y.shape[1],
-                                                       WEIGHT_GROUP)
     for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
         offs_h = h0 + offs_h0
         h_valid = offs_h < H
         if WITH_BASE:
             if s2_expert is not None:
-                packed, scales = next_packed, next_scales
-                offs_next = offs_h + BLOCK_H
-                next_packed, next_scales = _packed_weight_load(w2_expert + offs_next[:, None] * stride_w2_h,
-                                                               slice_col0, stride_w2_h, offs_next < H,
-                                                               s2_expert + offs_next * stride_s2_n, y.shape[1],
-                                                               WEIGHT_GROUP)
+                packed, scales = _packed_weight_load(w2_expert + offs_h[:, None] * stride_w2_h, slice_col0, stride_w2_h,
+                                                     h_valid, s2_expert + offs_h * stride_s2_n, y.shape[1], WEIGHT_GROUP)
                 partial = _packed_dot(y, packed, scales, tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32),
                                       y.shape[1], WEIGHT_GROUP)
             else:

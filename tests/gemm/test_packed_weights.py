@@ -12,6 +12,7 @@ import triton.language as tl
 import fmoe2
 from fmoe2 import FusedMoEConfig, fused_moe, prepare_weights, quant4
 from fmoe2.gemm.config import fit_packed_config
+from fmoe2.gemm.fused_moe import plan_of
 from fmoe2.gemm.decode import kept_accumulators, release_kept_accumulators
 from fmoe2.launch import LaunchSpec
 from fmoe2.gemm.operands import _packed_weight_dequant, _packed_weight_load
@@ -20,8 +21,9 @@ from helpers import DEVICE, make_lora, make_problem, make_token_lora_ids, poison
 SMALL = FusedMoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, BLOCK_H=16)
 CONFIGS = {
     "fused": SMALL,
-    # BLOCK_K / S2_BLOCK_K of 16: one group of 32 spans two K steps (the loader's other branch)
-    "two_stage": replace(SMALL, path="two_stage", BLOCK_K=16, S2_BLOCK_N=16, S2_BLOCK_K=16, S2_SPLIT_K=2),
+    # K steps of 32 (the least of 4-bit weights: test_4bit_k_steps_hold_16_bytes_of_a_row): an int4 group of 64 or 128
+    # spans several K steps (the loader's other branch)
+    "two_stage": replace(SMALL, path="two_stage", BLOCK_K=32, S2_BLOCK_N=16, S2_BLOCK_K=32, S2_SPLIT_K=2),
     # several groups per K step: 2 x 32 x 128 tile elements at 4 warps are within fit_packed_config's bound
     "wide": replace(SMALL, BLOCK_N=32, BLOCK_K=128, BLOCK_H=32),
 }
@@ -29,7 +31,31 @@ CONFIGS = {
 
 def test_the_configs_here_run_as_given():
     for name, config in CONFIGS.items():
-        assert fit_packed_config(config) == config, name
+        assert fit_packed_config(config, weight_format="int4") == config, name
+
+
+def test_4bit_k_steps_hold_16_bytes_of_a_row():
+    # 4-bit K steps of 16 columns came out wrong on an H200 (gemm/config.py: LEAST_PACKED_K_STEP): a caller's K steps
+    # of 16 (BLOCK_K, S2_BLOCK_K, and the fused path's slice BLOCK_N, the down GEMM's K step) run as 32 (int8's as
+    # given), and the forwards are right (in bf16 on the GPU, where the steps of 16 went wrong).
+    narrow = replace(SMALL, BLOCK_N=16, BLOCK_K=16)
+    narrow_two_stage = replace(narrow, path="two_stage", S2_BLOCK_N=16, S2_BLOCK_K=16)
+    for fmt in ("mxfp4", "int4"):
+        assert fit_packed_config(narrow, weight_format=fmt) == replace(narrow, BLOCK_N=32, BLOCK_K=32)
+        assert fit_packed_config(narrow_two_stage, weight_format=fmt) == replace(narrow_two_stage, BLOCK_K=32,
+                                                                                  S2_BLOCK_K=32)
+    assert fit_packed_config(narrow_two_stage, weight_format="int8") == narrow_two_stage
+    M, E, H, I, topk = 7, 3, 96, 160, 2
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    for fmt in ("mxfp4", "int4-g32"):
+        x, prepared, tw, ti = make_packed_problem(M, E, H, I, topk, fmt, dtype, seed=8)
+        for config in (narrow, narrow_two_stage):
+            out = fused_moe(x, prepared, None, tw, ti, config=config, out=poisoned(M, H, dtype))
+            ran = plan_of(x, prepared, None, tw, ti, config=config, out=out).config
+            assert min(ran.BLOCK_K, ran.BLOCK_N if ran.path == "fused" else ran.S2_BLOCK_K) == 32, ran
+            check(out, x, prepared, tw, ti)
+
+
 FORMATS = ["mxfp4", "int4-g32-sym", "int4-g64", "int4-g128"]
 # What the activations' rounding leaves: the weights are dequantized exactly, so the 16-bit bounds hold.
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
