@@ -144,6 +144,8 @@ def _report_cuda(compiled) -> dict:
         "local_memory_bytes": field("LOCAL"),  # per thread: spills and stack arrays
         "stack_bytes": field("STACK"),
         "spill_instructions": sum(local_ops.values()),  # LDL/STL in the SASS
+        # SASS instructions in all (a loop's cost per element, compared between two versions of a kernel)
+        "instructions": sum(";" in ln for ln in sass.splitlines() if "/*" in ln),
         "shared_memory_bytes": compiled.metadata.shared,
         "matrix_instructions": matrix,
         "wgmma": any(k.startswith(("HGMMA", "QGMMA")) for k in matrix),

@@ -42,6 +42,8 @@ def test_sm90_wgmma_native_vector_atomics_no_spills(shape):
     assert r[("fused_moe", 4096)]["wgmma"], r[("fused_moe", 4096)]["matrix_instructions"]
     for key, rep in r.items():
         assert no_spills(rep), (key, rep)
+        # (the SASS instruction count: every matrix instruction is one of them)
+        assert rep["instructions"] > sum(rep["matrix_instructions"].values()) + rep["spill_instructions"], key
     assert ("moe_stage2", 4096) in r  # large batches use the two-stage path by default
     for (kernel, _), rep in r.items():
         if kernel not in ("fused_moe", "moe_stage2"):
