@@ -15,7 +15,10 @@ memory holds, each with the shape's weights), so their kernels are in the Triton
 configs without K shares) into the file's ``"deterministic"`` entry, which it reads on GPUs whose tilings
 were measured alike (``fmoe2.gemm.config.resolve_config``). ``--dtype fp8`` tunes fp8 weights (block scales, bf16
 activations) into the bf16 file's ``"fp8"`` entry (``resolve_config`` reads it): each candidate as an fp8 forward runs
-it (fitted to fp8), duplicates timed once.
+it (fitted to fp8), duplicates timed once. ``--weights mxfp4|int4|int8`` tunes prepared weight-only quantized weights
+(random weights quantized: mxfp4, int4 with the shape's group of ``fmoe2.bench.quant4.int4_group``, int8 per channel;
+activations in ``--dtype``) into that file's entry of the format's name (``resolve_config`` reads it before the 16-bit
+pick), each candidate stored as the forward fits it (``fit_packed_config``).
 
 Every entry is checked before it is written: the picked config runs two eager forwards, each into an output poisoned
 with NaN, on the point's inputs, and both must be finite and within the correctness grid's bound of the float32
@@ -47,21 +50,24 @@ from fmoe2.bench.correctness import BOUND, relative_error
 from fmoe2.bench.timing import capture_graph
 from fmoe2.bench.precompile import add_arguments as add_compile_arguments
 from fmoe2.bench.precompile import compile_in_processes, run_each_once, share_of
+from fmoe2.bench.quant4 import int4_group, quantized_expertwise
 from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
+from fmoe2.formats import WEIGHT_FORMATS
 from fmoe2.gemm.config import (CONFIG_DIR, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name,
-                               resolve_config, shape_file_name)
+                               resolve_config, shape_file_name, tuned_section)
 from fmoe2.shapes import ALL_SHAPES, SERVED_SHAPES
 from fmoe2.target import target_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: the activations' dtype
-SECTIONS = ("deterministic", "fp8")  # entries of a tuned file besides the plain batch sizes
+WEIGHT_ONLY = tuple(name for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only)  # --weights
+SECTIONS = ("deterministic", "fp8", *WEIGHT_ONLY)  # entries of a tuned file besides the plain batch sizes
 CHECKED = "checked"  # a tuned file's record of each entry's check: section ("plain" for the plain entries) -> M -> check
 PLAIN = "plain"
 CHECK_CALLS = 2  # eager forwards of a picked config compared with the reference (a race shows as one that differs)
 
 
-def fp8_candidates(M: int, E: int, H: int, I: int, topk: int, run) -> list:
-    """:func:`~fmoe2.bench.search.fmoe2_candidates` as fp8 forwards run them: ``run(cfg)`` makes one forward
+def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, run) -> list:
+    """:func:`~fmoe2.bench.search.fmoe2_candidates` as fp8 or weight-only forwards run them: ``run(cfg)`` makes one forward
     with ``config=cfg`` and returns the config its plan holds (the fitted one). Duplicates removed, and
     candidates that fail to run (e.g. past the GPU's shared memory) left out."""
     seen, out = set(), []
@@ -112,8 +118,13 @@ def _tuned_path(name: str, a) -> str:
     return os.path.join(a.config_dir, device_config_name(), shape_file_name(E, H, I, topk, DTYPES[a.dtype]))
 
 
+def _mode(a) -> ConfigMode:
+    """The forwards' :class:`ConfigMode`: fp8 or a weight-only format's weights, or 16-bit ones."""
+    return ConfigMode(fp8=a.dtype == "fp8", weight_format=a.weights or "16bit")
+
+
 def _section(a) -> Optional[str]:
-    return "deterministic" if a.deterministic else "fp8" if a.dtype == "fp8" else None
+    return "deterministic" if a.deterministic else tuned_section(_mode(a))
 
 
 def _load_tuned(path: str) -> dict:
@@ -190,6 +201,7 @@ def point_inputs(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.
     E, H, I, topk = _shape(name)
     x, tw, ti = make_inputs(M, E, H, I, topk, gen)
     x = x.to(dtype)
+    # (weight-only formats: the dequantized weights exactly, so the 16-bit bound holds)
     reference = fmoe2.fused_moe_reference(x if a.dtype == "fp8" else x.float(), prepared, None, tw, ti).float()
 
     def forward(cfg, out):
@@ -204,18 +216,19 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
     x, tw, ti, forward, reference = point_inputs(name, M, prepared, dtype, a, gen)
     out = torch.empty(M, H, device="cuda", dtype=dtype)
     candidates = base_candidates(name, M, a) if a.deterministic else None
-    if a.dtype == "fp8":
+    stored_as_run = a.dtype == "fp8" or a.weights is not None
+    if stored_as_run:
         def fitted(cfg, x=x, tw=tw, ti=ti):
             fmoe2.fused_moe(x, prepared, None, tw, ti, config=cfg)  # (raises for a candidate that cannot run)
             # The config that forward ran, from the resolver the forward asks.
-            return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), ConfigMode(fp8=True), target_of(), cfg)
-        candidates = fp8_candidates(M, E, H, I, topk, fitted)
+            return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), _mode(a), target_of(), cfg)
+        candidates = fitted_candidates(M, E, H, I, topk, fitted)
     _, _, results = search_fmoe2(M, E, H, I, topk, dtype, lambda cfg: lambda: forward(cfg, out), f"{name} M={M}",
                                  candidates)
     best, us, check = checked_pick(results, forward, reference, x.dtype, BOUND["fp8" if a.dtype == "fp8" else "bf16"],
                                    f"{name} M={M}", replay=replayed)
-    if a.dtype == "fp8":
-        best = fitted(best)  # (a tensor-descriptor twin runs with pointer loads: stored as it ran)
+    if stored_as_run:
+        best = fitted(best)  # (e.g. fp8: a tensor-descriptor twin runs with pointer loads: stored as it ran)
     return best.to_dict(), us, len(results), check
 
 
@@ -282,8 +295,8 @@ def compile_in_parallel(name: str, ms: List[int], a) -> None:
     # chunks, about 5 GiB whatever the shape. worker_count leaves a fifth of the free memory besides.
     weight_bytes = E * 3 * H * I * DTYPES[a.dtype].itemsize * 5 // 2 + (5 << 30 if a.dtype == "fp8" else 0)
     command = [sys.executable, "-m", "fmoe2.tune", "--shape", name, "--m", ",".join(map(str, ms)), "--dtype", a.dtype]
-    compile_in_processes(command + (["--deterministic"] if a.deterministic else []), a.compile_workers, weight_bytes,
-                         name)
+    command += (["--deterministic"] if a.deterministic else []) + (["--weights", a.weights] if a.weights else [])
+    compile_in_processes(command, a.compile_workers, weight_bytes, name)
 
 
 def prepared_weights(name: str, a, gen: torch.Generator):
@@ -298,6 +311,11 @@ def prepared_weights(name: str, a, gen: torch.Generator):
         (q1, s1), (q2, s2) = fmoe2.quantize_fp8_weights(w1, "block"), fmoe2.quantize_fp8_weights(w2, "block")
         del w1, w2
         return fmoe2.prepare_weights(q1, q2, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
+    if a.weights is not None:
+        group = int4_group(H, I) if a.weights == "int4" else None
+        (p1, s1, z1), (p2, s2, z2) = quantized_expertwise(a.weights, w1, group), quantized_expertwise(a.weights, w2, group)
+        del w1, w2
+        return fmoe2.prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2, weight_format=a.weights)
     return fmoe2.prepare_weights(w1, w2)
 
 
@@ -318,6 +336,9 @@ def main(argv=None) -> int:
     p.add_argument("--config-dir", default=CONFIG_DIR,
                    help="where the tuned file <device>/E=..,H=..,I=..,topk=..,dtype=...json is written")
     p.add_argument("--deterministic", action="store_true", help="tune deterministic mode (its own entry)")
+    p.add_argument("--weights", default=None, choices=WEIGHT_ONLY,
+                   help="tune weight-only quantized weights of this format (activations in --dtype) into the tuned "
+                        "file's entry of that name (default: the weights in --dtype)")
     p.add_argument("--overwrite", action="store_true",
                    help="retune batch sizes the tuned file already holds (default: resume, skipping them)")
     p.add_argument("--recheck", action="store_true",
@@ -329,6 +350,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.deterministic and a.dtype == "fp8":
         p.error("--deterministic tunes 16-bit weights (fp8 weights take one fixed tiling in that mode)")
+    if a.weights is not None and (a.deterministic or a.dtype == "fp8"):
+        p.error(f"--weights {a.weights} tunes weight-only quantized weights with 16-bit activations: not with "
+                "--deterministic or --dtype fp8")
     shapes = list(SERVED_SHAPES) if a.shape == "served" else _shape_names(a.shape, p)
     if not torch.cuda.is_available():
         p.error("tuning needs a CUDA or ROCm GPU")

@@ -13,7 +13,8 @@ from fmoe2.tune import _shape_names, _store, _tuned_path, tune_points
 
 def _args(tmp_path, **kw):
     return argparse.Namespace(config_dir=str(tmp_path), dtype=kw.get("dtype", "bf16"),
-                              deterministic=kw.get("deterministic", False), overwrite=kw.get("overwrite", False))
+                              deterministic=kw.get("deterministic", False), overwrite=kw.get("overwrite", False),
+                              weights=kw.get("weights"))
 
 
 def test_a_rerun_skips_the_entries_its_files_hold(tmp_path):
@@ -32,10 +33,41 @@ def test_a_rerun_skips_the_entries_its_files_hold(tmp_path):
     fp8 = _args(tmp_path, dtype="fp8")
     assert tune_points(["gpt-oss-20b"], ms, fp8) == [("gpt-oss-20b", m) for m in ms]
     _store(_tuned_path("gpt-oss-20b", fp8), "fp8", 128, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_H": 128})
+    # and so are a weight-only format's (the activations' dtype's file, the entry of the format's name)
+    mxfp4 = _args(tmp_path, weights="mxfp4")
+    assert _tuned_path("gpt-oss-20b", mxfp4) == path
+    assert tune_points(["gpt-oss-20b"], ms, mxfp4) == [("gpt-oss-20b", m) for m in ms]
+    _store(path, "mxfp4", 16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_H": 64}, check)
+    assert tune_points(["gpt-oss-20b"], ms, mxfp4) == [("gpt-oss-20b", 1), ("gpt-oss-20b", 128)]
+    assert tune_points(["gpt-oss-20b"], ms, _args(tmp_path, weights="int8")) == [("gpt-oss-20b", m) for m in ms]
     with open(path) as f:
         stored = json.load(f)
-    assert list(stored) == ["1", "16", "128", "checked", "fp8"] and list(stored["fp8"]) == ["128"]
+    assert list(stored) == ["1", "16", "128", "checked", "fp8", "mxfp4"] and list(stored["fp8"]) == ["128"]
+    assert list(stored["checked"]["mxfp4"]) == ["16"] and list(stored["mxfp4"]) == ["16"]
     assert not os.path.exists(path + ".tmp")
+
+
+def test_weight_only_entries_run_as_stored():
+    # The tuner stores a weight-only format's pick as its forward ran it (resolve_config's fit, fit_packed_config
+    # included); read back, resolve_config fits it again: that second fit must leave it as it ran, for every
+    # candidate of the tuner's grid (checked here at four shapes, five batch sizes, CUDA and ROCm).
+    import torch
+
+    from fmoe2.bench.search import fmoe2_candidates
+    from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
+    from fmoe2.shapes import ALL_SHAPES
+    from fmoe2.target import NAMED_TARGETS
+
+    for target in (NAMED_TARGETS["sm_90"], NAMED_TARGETS["gfx942"]):
+        for shape in ("gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"):
+            E, H, I, topk = ALL_SHAPES[shape]
+            for M in (1, 16, 128, 1024, 4096):
+                problem = ConfigProblem(M, E, H, I, topk, torch.bfloat16)
+                for fmt in ("mxfp4", "int4", "int8"):
+                    mode = ConfigMode(weight_format=fmt)
+                    for candidate in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16):
+                        ran = resolve_config(problem, mode, target, candidate)
+                        assert resolve_config(problem, mode, target, ran) == ran, (shape, M, fmt, candidate)
 
 
 def test_shape_arguments():
@@ -73,6 +105,37 @@ def test_tuning_a_small_shape_writes_its_entry_and_a_rerun_resumes(tmp_path):
     with open(path) as f:
         record = json.load(f)["checked"]["plain"]["1"]
     assert record["graph"] and record["rel_err"] <= 2.5e-2
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="tuning needs a GPU")
+def test_tuning_weight_only_weights_writes_the_formats_entry(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    from fmoe2 import FusedMoEConfig
+    from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
+    from fmoe2.target import target_of
+
+    command = [sys.executable, "-m", "fmoe2.tune", "--shape", "8x256x128x2", "--m", "1,64", "--weights", "mxfp4",
+               "--config-dir", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 points to tune" in run.stdout, run.stdout
+    with open(_tuned_path("8x256x128x2", _args(tmp_path, weights="mxfp4"))) as f:
+        stored = json.load(f)
+    assert list(stored) == ["checked", "mxfp4"] and list(stored["mxfp4"]) == ["1", "64"]  # (no plain entries)
+    for M in (1, 64):
+        assert stored["checked"]["mxfp4"][str(M)]["rel_err"] <= stored["checked"]["mxfp4"][str(M)]["bound"] == 2.5e-2
+        entry = FusedMoEConfig.from_dict(stored["mxfp4"][str(M)])
+        # stored as the forward ran it: the forward reading it runs it unchanged
+        problem = ConfigProblem(M, 8, 256, 128, 2, torch.bfloat16)
+        assert resolve_config(problem, ConfigMode(weight_format="mxfp4"), target_of(), entry) == entry
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "0 points to tune (2 already in their tuned files" in again.stdout, again.stdout
+    refused = subprocess.run(command + ["--dtype", "fp8"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--weights mxfp4" in refused.stderr, refused.stderr
 
 
 def test_compiling_processes_fit_the_free_memory_and_share_the_candidates():

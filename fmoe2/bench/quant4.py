@@ -59,7 +59,7 @@ def int4_group(H: int, I: int) -> int:
     raise ValueError(f"int4 needs H and I multiples of 32, got H={H}, I={I}")
 
 
-def _quantized_expertwise(fmt: str, w: torch.Tensor, group=None):
+def quantized_expertwise(fmt: str, w: torch.Tensor, group=None):
     """``(packed, scale, zero)`` of ``w [E, N, K]``, one expert at a time (a layer's float32 temporaries of the
     rounding would not fit); ``group``: int4's (None: :data:`FORMATS`')."""
     parts = []
@@ -84,7 +84,7 @@ class Weights:
         w2 = (torch.randn(E, H, I, generator=gen) / math.sqrt(I)).to("cuda", torch.bfloat16)
         self.bf16 = fmoe2.prepare_weights(w1, w2)
         group = int4_group(H, I) if fmt == "int4" else None
-        (p1, s1, z1), (p2, s2, z2) = _quantized_expertwise(fmt, w1, group), _quantized_expertwise(fmt, w2, group)
+        (p1, s1, z1), (p2, s2, z2) = quantized_expertwise(fmt, w1, group), quantized_expertwise(fmt, w2, group)
         del w1, w2
         self.packed = fmoe2.prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2,
                                             weight_format=fmt.split("-")[0])

@@ -606,7 +606,8 @@ def resolve_config(problem: ConfigProblem, mode: ConfigMode, target: Target, con
       :func:`fp8_prefers_two_stage`; then :func:`fit_fp8_config`.
     * deterministic: the two-stage path without K shares: :func:`_deterministic_pick`, or the caller's config as
       given (batch invariance is then the caller's choice); adapters fitted with their deltas in the stages.
-    * weight-only formats (``mode.weight_format``: mxfp4, int4, int8): any of the above, its weight tiles then
+    * weight-only formats (``mode.weight_format``: mxfp4, int4, int8): the tuned file's entry of the format
+      (stored as it ran, :func:`tuned_section`) where there is one, else any of the above; its weight tiles then
       fitted to dequantizing in registers (:func:`fit_packed_config`, with the target's warp size).
     """
     config = _resolve(problem, mode, target, config, path, tuned_for, config_dir)
@@ -630,9 +631,9 @@ def _resolve(problem: ConfigProblem, mode: ConfigMode, target: Target, config: O
             config = _fit_given(replace(config, S2_SPLIT_K=1), problem, mode, target, "two_stage", mode.fp8)
         return fit_fp8_config(config, problem.dtype.itemsize, target.shared_memory) if mode.fp8 else config
     picked = config is None
-    if picked and mode.fp8:
-        tuned = tuned_config(problem, tuned_for, config_dir, ("fp8",))
-        if tuned is not None:  # measured with fp8 weights: its path too, unless the caller forces one
+    if picked and (mode.fp8 or mode.weight_only):
+        tuned = tuned_config(problem, tuned_for, config_dir, (tuned_section(mode),))
+        if tuned is not None:  # measured with weights of this format: its path too, unless the caller forces one
             config, picked = tuned, False
     if config is None:
         config = _plain_pick(problem, target, path, tuned_for, config_dir)
@@ -679,12 +680,23 @@ def _defaults(config_dir: str) -> dict:
     return _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(os.path.join(CONFIG_DIR, "defaults.json"))
 
 
+def tuned_section(mode: ConfigMode) -> Optional[str]:
+    """The section of a tuned file that ``python -m fmoe2.tune`` writes for, and :func:`resolve_config` reads
+    first in, a forward of ``mode``: ``"fp8"`` for fp8 weights, the format's name for weight-only ones (``"mxfp4"``,
+    ``"int4"``, ``"int8"``; the activations 16-bit, the file the activations' dtype's), None for 16-bit weights (the
+    file's plain batch sizes). Deterministic mode has its own section (:func:`_deterministic_pick`)."""
+    if mode.fp8:
+        return "fp8"
+    return mode.weight_format if mode.weight_only else None
+
+
 def tuned_config(problem: ConfigProblem, tuned_for: Optional[str], config_dir: str = CONFIG_DIR,
                  sections: tuple = (None,)) -> Optional[FusedMoEConfig]:
     """The entry nearest ``problem.M`` (:func:`nearest_batch`) of the tuned file of ``problem``'s shape in the
     folder ``tuned_for`` of ``config_dir``, as stored (not fitted); None without one. ``sections``: where to
     look, in order, a later one's batch size replacing an earlier one's: None for the file's plain batch sizes,
-    ``"deterministic"`` / ``"fp8"`` for the entries ``python -m fmoe2.tune`` writes for those modes."""
+    ``"deterministic"``, ``"fp8"`` or a weight-only format's name for the entries ``python -m fmoe2.tune`` writes
+    for those modes (:func:`tuned_section`)."""
     if tuned_for is None:
         return None
     tuned_file = _load_json(os.path.join(config_dir, tuned_for, shape_file_name(problem.E, problem.H, problem.I,

@@ -522,3 +522,43 @@ def check_lora_expert_map_and_deterministic(prepared, path):
     assert rel_error(first, fmoe2.fused_moe_reference(x, prepared, None, tw, ti, expert_map=expert_map)) <= 2.5e-2
     for _ in range(3):
         assert torch.equal(fused_moe(x, prepared, None, tw, ti, expert_map=expert_map, deterministic=True), first)
+
+
+def test_tuned_entries_of_the_weights_format_are_read_with_their_path(tmp_path, monkeypatch):
+    # python -m fmoe2.tune --weights F writes the entry "F" of the shape's tuned file (the activations' dtype's file);
+    # forwards of F weights take its nearest batch size's config, its path included (a caller's path still forces
+    # one), fitted to dequantizing; forwards of other formats do not read it (the plain entries, fitted, instead).
+    import importlib
+    import json
+
+    from fmoe2.gemm.config import ConfigMode, shape_file_name, tuned_config, tuned_section
+
+    assert [tuned_section(ConfigMode(weight_format=f)) for f in ("mxfp4", "int4", "int8", "16bit")] == \
+        ["mxfp4", "int4", "int8", None]
+    assert tuned_section(ConfigMode(fp8=True)) == "fp8"
+    config_module = importlib.import_module("fmoe2.gemm.config")
+    fused_moe_module = importlib.import_module("fmoe2.gemm.fused_moe")
+    E, H, I, topk = 5, 96, 160, 2
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    two_stage = FusedMoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, BLOCK_H=32, path="two_stage", S2_BLOCK_N=32,
+                               S2_BLOCK_K=64)
+    fused = FusedMoEConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, BLOCK_H=32, path="fused")
+    (tmp_path / "GPU").mkdir()
+    (tmp_path / "GPU" / shape_file_name(E, H, I, topk, dtype)).write_text(json.dumps(
+        {"1": fused.to_dict(), "mxfp4": {"1": two_stage.to_dict(), "64": fused.to_dict()}}))
+    monkeypatch.setattr(config_module, "tuned_config", lambda problem, tuned_for, config_dir, sections=(None,):
+                        tuned_config(problem, "GPU", str(tmp_path), sections))
+    fused_moe_module.clear_plans()
+    try:
+        for M, fmt, path, expected in ((3, "mxfp4", "auto", two_stage), (40, "mxfp4", "auto", fused),
+                                       (3, "mxfp4", "fused", None), (3, "int4-g32", "auto", fused)):
+            x, prepared, tw, ti = make_packed_problem(M, E, H, I, topk, fmt, dtype, seed=M)
+            out = fused_moe(x, prepared, None, tw, ti, path=path, out=poisoned(M, H, dtype))
+            check(out, x, prepared, tw, ti)
+            ran = plan_of(x, prepared, None, tw, ti, path=path, out=out).config
+            assert ran.path == (expected.path if expected else path), (M, fmt, path, ran)
+            if expected is not None:  # its tiles, as fitted (which keeps these)
+                assert (ran.BLOCK_M, ran.BLOCK_N, ran.BLOCK_K) == (expected.BLOCK_M, expected.BLOCK_N,
+                                                                   expected.BLOCK_K), (M, fmt, ran)
+    finally:
+        fused_moe_module.clear_plans()
