@@ -103,11 +103,17 @@ class Weights:
                            dim=-1).contiguous()
 
 
+def search_candidates(fmt: str, M: int, E: int, H: int, I: int, topk: int) -> list:
+    """The tuner's grid at one point, fitted for format ``fmt`` (a key of :data:`FORMATS`) as ``fused_moe`` fits
+    it, duplicates removed."""
+    return list(dict.fromkeys(fit_packed_config(c, weight_format=fmt.split("-")[0])
+                              for c in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16)))
+
+
 def searched(w: Weights, M: int, x, tw, ti, ref4) -> dict:
     """The fastest fitted config of the tuner's grid for the quantized forward at ``M`` (module docstring), checked
     against ``ref4``: ``{"config", "us", "rel_err", "tried"}``."""
-    candidates = list(dict.fromkeys(fit_packed_config(c, weight_format=w.fmt)
-                                    for c in fmoe2_candidates(M, w.E, w.H, w.I, w.topk, torch.bfloat16)))
+    candidates = search_candidates(w.fmt, M, w.E, w.H, w.I, w.topk)
     out = torch.empty_like(x)
     run = lambda cfg: (lambda: fmoe2.fused_moe(x, w.packed, None, tw, ti, config=cfg, out=out))  # noqa: E731
     best, us, results = search(candidates, run, f"{w.name} {w.fmt} M={M}")

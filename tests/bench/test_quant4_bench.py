@@ -1,4 +1,5 @@
-"""The 4-bit benchmark's int4 group (fmoe2/bench/quant4.py): one that divides both K sizes of the shape."""
+"""The weight-only benchmark (fmoe2/bench/quant4.py): the int4 group of a shape (one that divides both K sizes), its
+report, and the search grid fitted per format."""
 import pytest
 
 from fmoe2.bench.quant4 import int4_group
@@ -30,3 +31,12 @@ def test_the_report_names_int4_with_its_group():
     text = markdown(result)
     assert "| gpt-oss-20b | int4-g64 | 16 | 100.0 | 50.0 | 2.00 | 25.0 | 50% | 80.0 | 1.60 | 4.0e-03 |" in text
     assert "| gpt-oss-20b | mxfp4 | 16 |" in text
+
+
+def test_the_search_grid_is_fitted_for_every_format():
+    from fmoe2.bench.quant4 import FORMATS, search_candidates
+
+    for fmt in FORMATS:  # ("int8-g128": the int8 format with groups)
+        candidates = search_candidates(fmt, 16, 32, 2880, 2880, 4)
+        assert candidates and len(set(candidates)) == len(candidates), fmt
+        assert min(c.BLOCK_K for c in candidates) >= (16 if fmt.startswith("int8") else 32), fmt
