@@ -54,24 +54,23 @@ from fmoe2.bench.quant4 import int4_group, quantized_expertwise
 from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
 from fmoe2.formats import WEIGHT_FORMATS
 from fmoe2.gemm.config import (CONFIG_DIR, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name,
-                               resolve_config, shape_file_name, tuned_section)
+                               resolve_config, shape_file_name, tuned_section, TUNED_SECTIONS)
 from fmoe2.shapes import ALL_SHAPES, SERVED_SHAPES
 from fmoe2.target import target_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: the activations' dtype
 WEIGHT_ONLY = tuple(name for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only)  # --weights
-SECTIONS = ("deterministic", "fp8", *WEIGHT_ONLY)  # entries of a tuned file besides the plain batch sizes
 CHECKED = "checked"  # a tuned file's record of each entry's check: section ("plain" for the plain entries) -> M -> check
 PLAIN = "plain"
 CHECK_CALLS = 2  # eager forwards of a picked config compared with the reference (a race shows as one that differs)
 
 
-def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, run) -> list:
+def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, run) -> list:
     """:func:`~fmoe2.bench.search.fmoe2_candidates` as fp8 or weight-only forwards run them: ``run(cfg)`` makes one forward
     with ``config=cfg`` and returns the config its plan holds (the fitted one). Duplicates removed, and
     candidates that fail to run (e.g. past the GPU's shared memory) left out."""
     seen, out = set(), []
-    for cfg in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16):
+    for cfg in fmoe2_candidates(M, E, H, I, topk, dtype):
         try:
             fitted = run(cfg)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot run is not a result
@@ -144,7 +143,7 @@ def _store(path: str, section: Optional[str], M: int, entry: dict, check: Option
     records[section or PLAIN] = _by_batch({**kept, **({str(M): check} if check is not None else {})})
     if not any(records.values()):
         del tuned[CHECKED]
-    for name in SECTIONS:
+    for name in TUNED_SECTIONS:
         if name in tuned:
             tuned[name] = _by_batch(tuned[name])
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -222,7 +221,7 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
             fmoe2.fused_moe(x, prepared, None, tw, ti, config=cfg)  # (raises for a candidate that cannot run)
             # The config that forward ran, from the resolver the forward asks.
             return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), _mode(a), target_of(), cfg)
-        candidates = fitted_candidates(M, E, H, I, topk, fitted)
+        candidates = fitted_candidates(M, E, H, I, topk, dtype, fitted)
     _, _, results = search_fmoe2(M, E, H, I, topk, dtype, lambda cfg: lambda: forward(cfg, out), f"{name} M={M}",
                                  candidates)
     best, us, check = checked_pick(results, forward, reference, x.dtype, BOUND["fp8" if a.dtype == "fp8" else "bf16"],
@@ -233,8 +232,8 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
 
 
 def recheck(shapes: List[str], ms: List[int], a) -> int:
-    """``--recheck``: each entry the shapes' tuned files hold at ``ms`` (of ``--dtype``'s or ``--deterministic``'s
-    section) checked again as the tuner checks a pick, its record rewritten; no search. Returns how many failed (their
+    """``--recheck``: each entry the shapes' tuned files hold at ``ms`` (of ``--dtype``'s, ``--weights``' or
+    ``--deterministic``'s section) checked again as the tuner checks a pick, its record rewritten; no search. Returns how many failed (their
     entries stay, reported)."""
     failed = 0
     gen = torch.Generator(device="cuda").manual_seed(0)

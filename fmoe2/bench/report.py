@@ -161,7 +161,7 @@ def write_tuned_configs(out_dir: str, device: str, config_dir: str):
     against the float32 reference)."""
     import torch
 
-    from ..gemm.config import shape_file_name
+    from ..gemm.config import TUNED_SECTIONS, shape_file_name
     from .correctness import BOUND
 
     paths = []
@@ -177,12 +177,12 @@ def write_tuned_configs(out_dir: str, device: str, config_dir: str):
         # reference, which stops the run where it fails
         checked = {"plain": {str(r["M"]): dict(rel_err=r["fmoe2_rel_err"], bound=BOUND["bf16"], faster_failed=0, graph=False)
                              for r in rs}}
-        if os.path.exists(path):  # the entries other tuners wrote stay (fmoe2.tune --deterministic, --dtype fp8)
-            with open(path) as f:
+        if os.path.exists(path):  # the entries other tuners wrote stay (fmoe2.tune --deterministic, --dtype fp8,
+            with open(path) as f:  # --weights F)
                 old = json.load(f)
-            tuned.update({section: old[section] for section in ("deterministic", "fp8") if old.get(section)})
+            tuned.update({section: old[section] for section in TUNED_SECTIONS if old.get(section)})
             checked.update({section: records for section, records in old.get("checked", {}).items()
-                            if section in ("deterministic", "fp8")})
+                            if section in TUNED_SECTIONS})
         tuned["checked"] = checked
         with open(path, "w") as f:
             json.dump(tuned, f, indent=1)

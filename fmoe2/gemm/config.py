@@ -399,9 +399,9 @@ PACKED_TILE_ELEMENTS_PER_THREAD = 64
 # int8) (BLOCK_K, S2_BLOCK_K, and on the fused path the slice BLOCK_N, the down GEMM's K step). On an H200 (Triton
 # 3.6, bf16) 4-bit K steps of 16 columns (8 bytes a row) in the pipelined weight loads came out wrong (relative
 # errors 1.0-3.2, mxfp4 and int4 alike, any group, also at num_stages=1) where the interpreter and steps of 32 were
-# right; int8's steps of 16 were right. No pick and no tuned entry has a K step below 32: only a caller's config
-# is raised.
-LEAST_PACKED_K_STEP = {"mxfp4": 32, "int4": 32, "int8": 16}
+# right; int8's steps of 16 were right. Any config with a smaller step (a caller's, or a pick fitted to a small
+# H or I) is raised.
+LEAST_PACKED_K_STEP = {name: 16 * fmt.values_per_element for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only}
 
 
 def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = False, *,
@@ -410,7 +410,8 @@ def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = Fal
     down chunks (``BLOCK_H x BLOCK_N``) and stage 2's K steps (``S2_BLOCK_N x S2_BLOCK_K``) halved (not below 32)
     until each tile holds at most :data:`PACKED_TILE_ELEMENTS_PER_THREAD` elements per thread (half with
     adapters or more than 32 rows per tile); the K steps of ``weight_format`` (mxfp4, int4 or int8) at least its
-    :data:`LEAST_PACKED_K_STEP`."""
+    :data:`LEAST_PACKED_K_STEP`; pointer loads (``tma`` off: :func:`~.launches.tma_enabled` takes descriptors for
+    16-bit weights only, so the config says what runs)."""
     limit = PACKED_TILE_ELEMENTS_PER_THREAD * warp_size // (2 if lora or cfg.BLOCK_M > 32 else 1)
     least_step = LEAST_PACKED_K_STEP[weight_format]
 
@@ -425,7 +426,7 @@ def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = Fal
     if cfg.path == "two_stage":
         changes["S2_BLOCK_K"] = max(fitted(cfg.S2_BLOCK_K, cfg.S2_BLOCK_N, cfg.s2_num_warps or cfg.num_warps),
                                     least_step)
-    return replace(cfg, **changes)
+    return replace(cfg, tma=False, **changes)
 
 
 def fit_fp8_config(cfg: FusedMoEConfig, x_bytes: int, shared_memory: int = DEFAULT_SHARED_MEMORY,
@@ -678,6 +679,11 @@ def _fit_lora(config: FusedMoEConfig, problem: ConfigProblem, target: Target,
 def _defaults(config_dir: str) -> dict:
     """``defaults.json`` of ``config_dir``, else fmoe2's own."""
     return _load_json(os.path.join(config_dir, "defaults.json")) or _load_json(os.path.join(CONFIG_DIR, "defaults.json"))
+
+
+# The sections of a tuned file besides its plain batch sizes, each keyed by batch size (python -m fmoe2.tune writes
+# them, :func:`resolve_config` reads them): deterministic mode's, fp8 weights', each weight-only format's.
+TUNED_SECTIONS = ("deterministic", "fp8", *(name for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only))
 
 
 def tuned_section(mode: ConfigMode) -> Optional[str]:

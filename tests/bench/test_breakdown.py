@@ -126,13 +126,16 @@ def test_update_replaces_only_the_rerun_batch_sizes(tmp_path):
     # Tuned files come from every row, whichever run it comes from.
     (tuned,) = write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
     assert set(json.loads(open(tuned).read())) == {"1", "16", "128", "checked"}  # (each entry's check record)
-    # A rewrite keeps deterministic mode's own entries (python -m fmoe2.tune --deterministic).
+    # A rewrite keeps the other tuners' entries and their records (python -m fmoe2.tune --deterministic, --dtype fp8,
+    # --weights mxfp4).
     with open(tuned, "w") as f:
-        json.dump({"1": {}, "deterministic": {"1": {"BLOCK_M": 16}}}, f)
+        json.dump({"1": {}, "deterministic": {"1": {"BLOCK_M": 16}}, "fp8": {"4": {"BLOCK_M": 32}},
+                   "mxfp4": {"16": {"BLOCK_M": 64}}, "checked": {"mxfp4": {"16": {"rel_err": 1e-3}}}}, f)
     write_tuned_configs(str(tmp_path), "GPU_X", str(tmp_path / "configs"))
     rewritten = json.loads(open(tuned).read())
-    assert set(rewritten) == {"1", "16", "128", "deterministic", "checked"}
-    assert rewritten["deterministic"] == {"1": {"BLOCK_M": 16}}
+    assert set(rewritten) == {"1", "16", "128", "deterministic", "fp8", "mxfp4", "checked"}
+    assert rewritten["deterministic"] == {"1": {"BLOCK_M": 16}} and rewritten["mxfp4"] == {"16": {"BLOCK_M": 64}}
+    assert rewritten["checked"]["mxfp4"] == {"16": {"rel_err": 1e-3}} and set(rewritten["checked"]) == {"plain", "mxfp4"}
 
 
 @pytest.mark.parametrize("flag", ["--lora", "--no-search"])

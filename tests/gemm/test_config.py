@@ -288,7 +288,8 @@ def test_plain_loops_fit_shared_memory_for_the_input_dtype():
     import os
 
     import fmoe2.shapes
-    from fmoe2.gemm.config import CONFIG_DIR, fit_shared_memory, pipelined_loop_bytes
+    from fmoe2.gemm.config import (CONFIG_DIR, LEAST_PACKED_K_STEP, TUNED_SECTIONS, fit_packed_config,
+                                   fit_shared_memory, pipelined_loop_bytes)
     from fmoe2.target import DEFAULT_SHARED_MEMORY
 
     # What Triton asked for at launch on the H100 with fp32 inputs (both failed there before the fit).
@@ -304,9 +305,12 @@ def test_plain_loops_fit_shared_memory_for_the_input_dtype():
             entries += list(tuned_file.get("deterministic", {}).values())  # deterministic mode's own
             fp8 = list(tuned_file.get("fp8", {}).values())  # fp8 weights' own (fmoe2.tune --dtype fp8)
             # (the tuner's record of each entry's check against the reference: not an entry)
-            sections = ("deterministic" in tuned_file) + ("fp8" in tuned_file) + ("checked" in tuned_file)
-            assert len(entries) + len(fp8) == len(tuned_file) - sections + len(
-                tuned_file.get("deterministic", {})) + len(fp8), path
+            assert set(tuned_file) - set(TUNED_SECTIONS) - {"checked"} == {m for m in tuned_file if m.isdigit()}, path
+            weight_only = {s: tuned_file[s] for s in TUNED_SECTIONS if s in tuned_file and s in LEAST_PACKED_K_STEP}
+            for fmt, section in weight_only.items():  # (fmoe2.tune --weights F: stored as the forward ran them)
+                for entry in section.values():
+                    cfg = FusedMoEConfig.from_dict(entry)
+                    assert fit_packed_config(cfg, weight_format=fmt) == cfg, (path, fmt, entry)
             for entry in entries:
                 cfg = FusedMoEConfig.from_dict(entry)
                 assert fit_shared_memory(cfg, 2) == cfg, (path, entry)
