@@ -121,7 +121,42 @@ def _opcode_counts(lines: List[str], pattern: str) -> Dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def _report_cache_dir() -> str:
+    """Where SASS reports are kept, keyed by the code they read: beside Triton's kernel cache (``TRITON_CACHE_DIR``,
+    else ``~/.triton/cache``), so a cache Triton keeps keeps them too."""
+    base = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return os.path.join(base, "fmoe2_sass_reports")
+
+
 def _report_cuda(compiled) -> dict:
+    """:func:`_sass_report` of a compiled CUDA kernel, read back where the same code was reported before: many
+    launches compile to the same kernel (a codegen run reports the sort kernels of every problem, and the tests ask for
+    the same picks under several flags), and disassembling a kernel takes 0.25-0.4 s, most of a run whose kernels
+    Triton's cache already holds."""
+    import hashlib
+
+    with open(__file__, "rb") as f:  # (this module's code too: a report of another version is not read)
+        key = hashlib.sha256(f.read() + compiled.asm["cubin"] + compiled.asm["ptx"].encode()
+                             + str(compiled.metadata.shared).encode()).hexdigest()
+    path = os.path.join(_report_cache_dir(), key + ".json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        pass
+    report = _sass_report(compiled)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)  # (whole files only: processes report side by side)
+    except OSError:
+        pass  # (a read-only cache: the report is still right)
+    return report
+
+
+def _sass_report(compiled) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:

@@ -576,3 +576,33 @@ def test_tail_tiles_compile_both_tile_heights_without_spills(target, flags):
         assert rep["config"]["TAIL_M"] == int(tail) and no_spills(rep), rep
         if target == "sm_90":  # a 128-row and a 64-row tile: wgmma of both heights' shapes
             assert len(rep["matrix_instructions"]) == 2 and rep["wgmma"], rep
+
+
+def test_sass_reports_are_read_back_for_the_same_code(tmp_path, monkeypatch):
+    # Disassembling a kernel (cuobjdump) is most of a codegen run whose kernels Triton's cache holds: the report of a
+    # kernel's code is kept beside that cache and read back for the same cubin, PTX and shared memory, never for
+    # other code; an unreadable file is reported again.
+    from types import SimpleNamespace
+
+    import fmoe2.codegen as cg
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    made = []
+
+    def sass_report(compiled):
+        made.append(compiled)
+        return {"registers": len(made)}
+
+    monkeypatch.setattr(cg, "_sass_report", sass_report)
+
+    def kernel(ptx, shared=0):
+        return SimpleNamespace(asm={"cubin": b"\x7fELF cubin", "ptx": ptx}, metadata=SimpleNamespace(shared=shared))
+
+    assert cg._report_cuda(kernel("a")) == {"registers": 1}
+    assert cg._report_cuda(kernel("a")) == {"registers": 1} and len(made) == 1  # read back
+    assert cg._report_cuda(kernel("b")) == {"registers": 2}  # other code
+    assert cg._report_cuda(kernel("a", shared=1024)) == {"registers": 3}
+    (stored,) = [p for p in (tmp_path / "fmoe2_sass_reports").iterdir() if p.read_text() == '{"registers": 1}']
+    stored.write_text("{")  # (a torn file)
+    assert cg._report_cuda(kernel("a")) == {"registers": 4} and len(made) == 4
+    assert not list((tmp_path / "fmoe2_sass_reports").glob("*.tmp"))
