@@ -101,6 +101,10 @@ WEIGHT_FORMATS: Dict[str, WeightFormat] = {f.name: f for f in (
                  unsupported=(_PREPARE_FIRST,)),
 )}
 
+# The weight-only formats' names (dequantized in the 16-bit entries' loader): each has its own tuned section and its
+# least K step (gemm/config.py) and is a choice of python -m fmoe2.tune --weights.
+WEIGHT_ONLY_FORMATS = tuple(name for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only)
+
 # Formats prepare_weights cannot tell from the weights' dtype: it must be told (uint8 holds mxfp4 or int4, whose
 # scales may even share a dtype: e8m0 scales cast to fp16 would read as int4 group scales).
 AMBIGUOUS_DTYPES = {torch.uint8: ("mxfp4", "int4")}
@@ -189,5 +193,5 @@ def check_prepared_tensors(fmt: WeightFormat, w13: torch.Tensor, s13: Optional[t
         fmt.check_group(scale_block[1], "prepared weights")
 
 
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "weight_format", "format_of_weights", "plain_format",
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "WEIGHT_ONLY_FORMATS", "weight_format", "format_of_weights", "plain_format",
            "check_not_prepare_only", "format_of_prepared", "check_prepared_tensors"]

@@ -52,22 +52,21 @@ from fmoe2.bench.precompile import add_arguments as add_compile_arguments
 from fmoe2.bench.precompile import compile_in_processes, run_each_once, share_of
 from fmoe2.bench.quant4 import int4_group, quantized_expertwise
 from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
-from fmoe2.formats import WEIGHT_FORMATS
+from fmoe2.formats import WEIGHT_ONLY_FORMATS
 from fmoe2.gemm.config import (CONFIG_DIR, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name,
                                resolve_config, shape_file_name, tuned_section, TUNED_SECTIONS)
 from fmoe2.shapes import ALL_SHAPES, SERVED_SHAPES
 from fmoe2.target import target_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: the activations' dtype
-WEIGHT_ONLY = tuple(name for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only)  # --weights
 CHECKED = "checked"  # a tuned file's record of each entry's check: section ("plain" for the plain entries) -> M -> check
 PLAIN = "plain"
 CHECK_CALLS = 2  # eager forwards of a picked config compared with the reference (a race shows as one that differs)
 
 
 def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, run) -> list:
-    """:func:`~fmoe2.bench.search.fmoe2_candidates` as fp8 or weight-only forwards run them: ``run(cfg)`` makes one forward
-    with ``config=cfg`` and returns the config its plan holds (the fitted one). Duplicates removed, and
+    """:func:`~fmoe2.bench.search.fmoe2_candidates` as fp8 or weight-only forwards run them: ``run(cfg)`` makes one
+    forward with ``config=cfg`` and returns the config its plan holds (the fitted one). Duplicates removed, and
     candidates that fail to run (e.g. past the GPU's shared memory) left out."""
     seen, out = set(), []
     for cfg in fmoe2_candidates(M, E, H, I, topk, dtype):
@@ -233,8 +232,8 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
 
 def recheck(shapes: List[str], ms: List[int], a) -> int:
     """``--recheck``: each entry the shapes' tuned files hold at ``ms`` (of ``--dtype``'s, ``--weights``' or
-    ``--deterministic``'s section) checked again as the tuner checks a pick, its record rewritten; no search. Returns how many failed (their
-    entries stay, reported)."""
+    ``--deterministic``'s section) checked again as the tuner checks a pick, its record rewritten; no search. Returns
+    how many failed (their entries stay, reported)."""
     failed = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in shapes:
@@ -312,7 +311,7 @@ def prepared_weights(name: str, a, gen: torch.Generator):
         return fmoe2.prepare_weights(q1, q2, w1_scale=s1, w2_scale=s2, block_shape=(128, 128))
     if a.weights is not None:
         group = int4_group(H, I) if a.weights == "int4" else None
-        (p1, s1, z1), (p2, s2, z2) = quantized_expertwise(a.weights, w1, group), quantized_expertwise(a.weights, w2, group)
+        (p1, s1, z1), (p2, s2, z2) = (quantized_expertwise(a.weights, w, group) for w in (w1, w2))
         del w1, w2
         return fmoe2.prepare_weights(p1, p2, w1_scale=s1, w2_scale=s2, w1_zero=z1, w2_zero=z2, weight_format=a.weights)
     return fmoe2.prepare_weights(w1, w2)
@@ -335,7 +334,7 @@ def main(argv=None) -> int:
     p.add_argument("--config-dir", default=CONFIG_DIR,
                    help="where the tuned file <device>/E=..,H=..,I=..,topk=..,dtype=...json is written")
     p.add_argument("--deterministic", action="store_true", help="tune deterministic mode (its own entry)")
-    p.add_argument("--weights", default=None, choices=WEIGHT_ONLY,
+    p.add_argument("--weights", default=None, choices=WEIGHT_ONLY_FORMATS,
                    help="tune weight-only quantized weights of this format (activations in --dtype) into the tuned "
                         "file's entry of that name (default: the weights in --dtype)")
     p.add_argument("--overwrite", action="store_true",

@@ -33,7 +33,7 @@ from typing import Dict, Optional
 import torch
 import triton
 
-from ..formats import WEIGHT_FORMATS, weight_format
+from ..formats import WEIGHT_FORMATS, WEIGHT_ONLY_FORMATS, weight_format
 from ..fp8 import FP8_GROUP
 from ..target import DEFAULT_SHARED_MEMORY, Target, current_backend, target_of
 from ..sorting import max_busy_tiles
@@ -401,7 +401,7 @@ PACKED_TILE_ELEMENTS_PER_THREAD = 64
 # errors 1.0-3.2, mxfp4 and int4 alike, any group, also at num_stages=1) where the interpreter and steps of 32 were
 # right; int8's steps of 16 were right. Any config with a smaller step (a caller's, or a pick fitted to a small
 # H or I) is raised.
-LEAST_PACKED_K_STEP = {name: 16 * fmt.values_per_element for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only}
+LEAST_PACKED_K_STEP = {name: 16 * WEIGHT_FORMATS[name].values_per_element for name in WEIGHT_ONLY_FORMATS}
 
 
 def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = False, *,
@@ -683,7 +683,7 @@ def _defaults(config_dir: str) -> dict:
 
 # The sections of a tuned file besides its plain batch sizes, each keyed by batch size (python -m fmoe2.tune writes
 # them, :func:`resolve_config` reads them): deterministic mode's, fp8 weights', each weight-only format's.
-TUNED_SECTIONS = ("deterministic", "fp8", *(name for name, fmt in WEIGHT_FORMATS.items() if fmt.weight_only))
+TUNED_SECTIONS = ("deterministic", "fp8", *WEIGHT_ONLY_FORMATS)
 
 
 def tuned_section(mode: ConfigMode) -> Optional[str]:
