@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 import dataclasses
+import functools
+import hashlib
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -121,6 +123,13 @@ def _opcode_counts(lines: List[str], pattern: str) -> Dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+@functools.lru_cache(maxsize=None)
+def _module_code() -> bytes:
+    """This module's source: part of a kept report's key (a report of another version is not read)."""
+    with open(__file__, "rb") as f:
+        return f.read()
+
+
 def _report_cache_dir() -> str:
     """Where SASS reports are kept, keyed by the code they read: beside Triton's kernel cache (``TRITON_CACHE_DIR``,
     else ``~/.triton/cache``), so a cache Triton keeps keeps them too."""
@@ -133,11 +142,8 @@ def _report_cuda(compiled) -> dict:
     launches compile to the same kernel (a codegen run reports the sort kernels of every problem, and the tests ask for
     the same picks under several flags), and disassembling a kernel takes 0.25-0.4 s, most of a run whose kernels
     Triton's cache already holds."""
-    import hashlib
-
-    with open(__file__, "rb") as f:  # (this module's code too: a report of another version is not read)
-        key = hashlib.sha256(f.read() + compiled.asm["cubin"] + compiled.asm["ptx"].encode()
-                             + str(compiled.metadata.shared).encode()).hexdigest()
+    key = hashlib.sha256(_module_code() + compiled.asm["cubin"] + compiled.asm["ptx"].encode()
+                         + str(compiled.metadata.shared).encode()).hexdigest()
     path = os.path.join(_report_cache_dir(), key + ".json")
     try:
         with open(path) as f:
