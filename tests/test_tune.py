@@ -280,3 +280,17 @@ def test_recheck_runs_on_one_gpu_whatever_gpus_asks(monkeypatch):
     monkeypatch.setattr(tune, "tune_on_gpus", lambda *args: calls.append(("spread",)) or 0)
     assert tune.main(["--shape", "gpt-oss-20b,glm-4.5-air", "--recheck", "--gpus", "2"]) == 0
     assert calls == [("recheck", ["gpt-oss-20b", "glm-4.5-air"])]
+
+
+@pytest.mark.parametrize("extra", [["--dtype", "fp8"], ["--deterministic"]])
+def test_weight_only_tuning_refuses_fp8_and_deterministic_mode(extra, capsys):
+    # --weights tunes weight-only weights with 16-bit activations: with fp8 weights or deterministic mode it is refused
+    # by name before anything runs (no GPU needed to be told).
+    from fmoe2.tune import main
+
+    with pytest.raises(SystemExit):
+        main(["--shape", "gpt-oss-20b", "--weights", "mxfp4", *extra])
+    assert "--weights mxfp4 tunes weight-only quantized weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--shape", "gpt-oss-20b", "--weights", "int5"])
+    assert "invalid choice: 'int5'" in capsys.readouterr().err
