@@ -392,6 +392,9 @@ def fit_config(cfg: FusedMoEConfig, H: int, I: int, topk: int, dtype: torch.dtyp
 # With adapters (whose operands the fused kernel also holds) or tiles of more than 32 rows (whose accumulators take
 # more registers) half that: at 64, the M=1 and M=16 picks with rank-16 adapters spilled 7-10 instructions on sm_90,
 # and the M=4096 picks (128-row tiles, with a loader of the time that loaded the next step's tile ahead) 3-48.
+# mxfp4's tiles of 128 rows a quarter: with the select-free e2m1 decode, at half the fused kernel's 128-row picks
+# (qwen3-30b-a3b M=4096, gpt-oss-20b M=1024) spilled 2 instructions on sm_90 (255 registers). (int4's at a quarter
+# spilled 2 at gpt-oss-20b M=1024 where they spill none at half: the fused 128-row kernels sit at the register limit.)
 PACKED_TILE_ELEMENTS_PER_THREAD = 64
 
 
@@ -409,10 +412,11 @@ def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = Fal
     """A config fitted for prepared 4-bit weights: the K steps of the gate/up tile (``2*BLOCK_N x BLOCK_K``), the
     down chunks (``BLOCK_H x BLOCK_N``) and stage 2's K steps (``S2_BLOCK_N x S2_BLOCK_K``) halved (not below 32)
     until each tile holds at most :data:`PACKED_TILE_ELEMENTS_PER_THREAD` elements per thread (half with
-    adapters or more than 32 rows per tile); the K steps of ``weight_format`` (mxfp4, int4 or int8) at least its
-    :data:`LEAST_PACKED_K_STEP`; pointer loads (``tma`` off: :func:`~.launches.tma_enabled` takes descriptors for
+    adapters or more than 32 rows per tile, a quarter for mxfp4 with 128 rows or more); the K steps of
+    ``weight_format`` (mxfp4, int4 or int8) at least its :data:`LEAST_PACKED_K_STEP`; pointer loads (``tma`` off: :func:`~.launches.tma_enabled` takes descriptors for
     16-bit weights only, so the config says what runs)."""
-    limit = PACKED_TILE_ELEMENTS_PER_THREAD * warp_size // (2 if lora or cfg.BLOCK_M > 32 else 1)
+    share = 4 if cfg.BLOCK_M >= 128 and weight_format == "mxfp4" else 2 if lora or cfg.BLOCK_M > 32 else 1
+    limit = PACKED_TILE_ELEMENTS_PER_THREAD * warp_size // share
     least_step = LEAST_PACKED_K_STEP[weight_format]
 
     def fitted(block, other, warps):
