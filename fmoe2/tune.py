@@ -82,8 +82,15 @@ def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dt
 
 
 def _by_batch(entries: dict) -> dict:
-    """``entries`` with its batch-size keys in increasing order, other keys after them."""
-    return dict(sorted(entries.items(), key=lambda kv: (not kv[0].isdigit(), int(kv[0]) if kv[0].isdigit() else 0)))
+    """``entries`` with its batch-size keys in increasing order, then the checks' records, then the entries of the
+    modes (:data:`TUNED_SECTIONS`' order), other keys last: one order however a file was written."""
+    named = (CHECKED, PLAIN, *TUNED_SECTIONS)
+
+    def place(key: str):
+        if key.isdigit():
+            return 0, int(key)
+        return (1, named.index(key)) if key in named else (2, 0)
+    return dict(sorted(entries.items(), key=lambda kv: place(kv[0])))
 
 
 # First guesses of one candidate's compile and timing, refined as the run goes: compiled in the timed process, and with
@@ -142,6 +149,8 @@ def _store(path: str, section: Optional[str], M: int, entry: dict, check: Option
     records[section or PLAIN] = _by_batch({**kept, **({str(M): check} if check is not None else {})})
     if not any(records.values()):
         del tuned[CHECKED]
+    else:
+        tuned[CHECKED] = _by_batch(records)
     for name in TUNED_SECTIONS:
         if name in tuned:
             tuned[name] = _by_batch(tuned[name])

@@ -47,6 +47,19 @@ def test_a_rerun_skips_the_entries_its_files_hold(tmp_path):
     assert not os.path.exists(path + ".tmp")
 
 
+def test_a_new_files_keys_come_in_one_order(tmp_path):
+    # a file a weight-only run starts has its records before its entry, as a file that had plain entries first
+    path = _tuned_path("gpt-oss-20b", _args(tmp_path, weights="int8"))
+    check = dict(rel_err=3e-3, bound=2.5e-2, faster_failed=0)
+    _store(path, "int8", 16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_H": 64}, check)
+    _store(path, "mxfp4", 1, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_H": 64}, check)
+    _store(path, None, 4, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_H": 64}, check)
+    with open(path) as f:
+        stored = json.load(f)
+    assert list(stored) == ["4", "checked", "mxfp4", "int8"]
+    assert list(stored["checked"]) == ["plain", "mxfp4", "int8"]
+
+
 def test_weight_only_entries_run_as_stored():
     # The tuner stores a weight-only format's pick as its forward ran it (resolve_config's fit, fit_packed_config
     # included); read back, resolve_config fits it again: that second fit must leave it as it ran, for every

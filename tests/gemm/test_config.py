@@ -489,5 +489,6 @@ def test_n_contiguous_concatenated_weights_get_slices_of_whole_cache_lines(monke
         # get_config answers the same when told the layout (its device name is not the H200: its tuned files asked)
         assert get_config(M, E, H, I, topk, torch.bfloat16, backend="cuda", arch=90, tuned_for="NVIDIA_H200",
                           n_contiguous_halves=True) == replace(plain, BLOCK_N=wide)
-    for M in (64, 4096):  # slices of 128 columns
+    for M in (128, 4096):  # picks with slices of 64 columns or more: kept
+        assert pick(M, k_contiguous, False).BLOCK_N >= wide
         assert pick(M, n_contiguous, False) == pick(M, k_contiguous, False)
