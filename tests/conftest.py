@@ -1,7 +1,7 @@
 """Test setup: without a GPU, kernels run under the Triton interpreter on the CPU.
 
 ``TRITON_INTERPRET`` is read when kernels are decorated, so it is set here, before any test
-module imports fmoe2. Compile tests run ``python -m fmoe2.codegen`` in a child process with
+module imports fmoe2. Compile tests run ``python -m fmoe2.codegen`` in a child process (tests/compile_child.py) with
 the variable removed.
 
 On a machine with several GPUs, each pytest-xdist worker (``-n N``) is pinned to one of them, round robin

@@ -1,25 +1,13 @@
-"""Compile tests: ``python -m fmoe2.codegen`` in a child process (no interpreter), no GPU needed."""
+"""Compile tests: ``python -m fmoe2.codegen`` (or a script) in the compile child (``compile_child.py``: no
+interpreter, no visible GPU, so the configs compiled are the shipped defaults on every machine), no GPU needed."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-
-def codegen_env():
-    """No interpreter, and no visible GPU: the configs compiled are the shipped defaults on every
-    machine (tuned files are picked by measured time; on the H200 with Triton 3.6 the tuned
-    Mixtral M=1 plain config spills a little and still runs at 94% of the memory floor)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
+from compile_child import run_codegen, run_script
 
 
 def codegen(target, shape="mixtral-8x7b", ms="1,4096", *flags):
-    env = codegen_env()
-    proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", target, "--shape", shape, "--m", ms,
-                           *flags], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_codegen(["--target", target, "--shape", shape, "--m", ms, *flags])
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert reports, proc.stdout
@@ -171,9 +159,7 @@ def test_sm90_lora_kernel_spills_at_most_a_few_registers(shape, rank):
     # BLOCK_M=32 was what the defaults picked for Qwen3 at M=1024; per-adapter loops once spilled 182
     # instructions there (measured slow on the H200); the stacked adapter operands keep it. A handful
     # of spill instructions outside the loops is the cost of keeping the plain BLOCK_K (measured faster).
-    env = codegen_env()
-    proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", "sm_90", "--shape", shape,
-                           "--m", "1,16,128,1024", "--lora-rank", str(rank)], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_codegen(["--target", "sm_90", "--shape", shape, "--m", "1,16,128,1024", "--lora-rank", str(rank)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     lora = [r for r in reports if r["kernel"] == "fused_moe_lora"]
@@ -193,11 +179,9 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
     # With adapters, stage 1 only adds ready deltas: it must keep the plain stage 1's shared memory
     # and (nearly) its registers, else tiles without adapters lose resident programs (measured
     # 1.3-1.4x slower on the H100 when a stacked expand inside stage 1 added 25 KB and 55 registers).
-    env = codegen_env()
     reports = {}
     for lora in ("0", "16"):
-        proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", "sm_90", "--shape", shape, "--m", "1024",
-                               "--lora-rank", lora], capture_output=True, text=True, env=env, timeout=600)
+        proc = run_codegen(["--target", "sm_90", "--shape", shape, "--m", "1024", "--lora-rank", lora])
         assert proc.returncode == 0, proc.stderr[-4000:]
         reports.update({r["kernel"]: r for r in map(json.loads, proc.stdout.splitlines()) if r})
     plain, lora = reports["fused_moe_stage1"], reports["fused_moe_stage1_lora"]
@@ -211,8 +195,7 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
         # (lora_kernel_options); nothing more may spill.
         max_spills = 16 if kernel == "lora_expand13" else 0
         assert rep["local_memory_bytes"] == 0 and rep["spill_instructions"] <= max_spills, rep
-    proc = subprocess.run([sys.executable, "-m", "fmoe2.codegen", "--target", "gfx942", "--shape", shape, "--m", "1024",
-                           "--lora-rank", "16"], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_codegen(["--target", "gfx942", "--shape", shape, "--m", "1024", "--lora-rank", "16"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     rocm = [r for r in map(json.loads, proc.stdout.splitlines()) if "lora" in r["kernel"]]
     assert {r["kernel"] for r in rocm} == {"moe_sorting_lora", "fused_moe_lora", "lora_shrink13", "lora_expand13",
@@ -277,8 +260,7 @@ def test_signature_specialises_ints_like_the_jit():
     # Ints divisible by 16 get the divisibility hint and ints equal to 1 become constants, except
     # for parameters marked do_not_specialize (the sort's zeroing-program count and parts), which
     # the JIT compiles once for every value: the report must compile what a GPU run compiles.
-    proc = subprocess.run([sys.executable, "-c", SIGNATURE_CHECK], capture_output=True, text=True,
-                          env=codegen_env(), timeout=300)
+    proc = run_script(SIGNATURE_CHECK, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
 
 
@@ -309,8 +291,7 @@ for target, s2 in (("sm_90", (256, 128, 8, 3)), ("gfx942", (128, 64, 4, 2))):
 def test_stage2_k_shares_compile_without_spills():
     # The tuned H100/H200 files pick 2 K shares for stage 2 at decode sizes (compiled here for sm_90,
     # and for gfx942 with its 64 KiB of LDS, though the ROCm defaults do not use them).
-    proc = subprocess.run([sys.executable, "-c", STAGE2_SPLIT_CHECK], capture_output=True, text=True,
-                          env=codegen_env(), timeout=300)
+    proc = run_script(STAGE2_SPLIT_CHECK, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["target"] for r in reports] == ["sm_90", "gfx942"]
@@ -371,8 +352,7 @@ for target, pick, M in (("sm_90", "h100", 1), ("sm_90", "h200", 1), ("sm_90", "h
 def test_two_stage_deltas_in_the_stages_compile_within_shared_memory():
     # Mixtral decode with adapters on the tuned two-stage picks: stage 1 computes the gate/up deltas and
     # stores down shrinks, stage 2 sums and expands them; fitted to each target's shared memory.
-    proc = subprocess.run([sys.executable, "-c", IN_STAGES_CHECK], capture_output=True, text=True,
-                          env=codegen_env(), timeout=600)
+    proc = run_script(IN_STAGES_CHECK, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 10
@@ -479,8 +459,7 @@ def test_gpt_oss_kernels_compile():
     # tiling is compiled pinned (the tuned files have been retuned since) and must not spill; forced
     # two-stage at M=1, 171. (Forced fused at M=512, the H200's two-stage tiling refitted: 3 spill instructions with
     # Triton 3.9, none with 3.6.)
-    proc = subprocess.run([sys.executable, "-c", GPT_OSS_CHECK], capture_output=True, text=True,
-                          env=codegen_env(), timeout=900)
+    proc = run_script(GPT_OSS_CHECK, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     auto_paths = {(rep["target"], rep["tuned_for"], rep["M"]): rep["path"] for rep in reports if rep["auto"]}
