@@ -8,6 +8,7 @@ serves requests, one JSON line each on stdin: ``{"argv": [...]}`` runs ``python 
 arguments, ``{"script": "..."}`` runs a script as ``python -c`` would (in fresh globals). Each answer is one JSON line
 on stdout: ``{"rc", "stdout", "stderr"}``, as a child process of its own would have given them.
 """
+import atexit
 import contextlib
 import io
 import json
@@ -42,6 +43,8 @@ class CompilerProcess:
         self.stderr_file = None
 
     def _start(self):
+        if self.stderr_file is not None:
+            self.stderr_file.close()
         self.stderr_file = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr_file, text=True, env=compiler_env(),
@@ -50,10 +53,13 @@ class CompilerProcess:
     def request(self, request: dict, timeout: float) -> CompileResult:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            line = self.proc.stdout.readline() if ready else ""
+        except BrokenPipeError:  # (died before it read the request)
+            ready, line = True, ""
         if not line:  # died, or past the timeout: its own stderr says why
             if self.proc.poll() is None:
                 self.proc.kill()
@@ -66,11 +72,15 @@ class CompilerProcess:
 
     def close(self):
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            self.proc.stdin.close()  # (it ends at the end of its input)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 _CHILD = CompilerProcess()
+atexit.register(_CHILD.close)
 
 
 def run_codegen(argv: List[str], timeout: float = 600) -> CompileResult:
@@ -83,12 +93,12 @@ def run_script(script: str, timeout: float = 600) -> CompileResult:
     return _CHILD.request({"script": script}, timeout)
 
 
-def close():
-    _CHILD.close()
-
-
 def _serve():
-    answers = sys.stdout
+    # The answers get their own descriptor; what the compiler's tools write to descriptor 1 goes to stderr instead
+    # of into an answer.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(1, "w", closefd=False)
     for line in sys.stdin:
         request = json.loads(line)
         out, err = io.StringIO(), io.StringIO()
@@ -103,7 +113,7 @@ def _serve():
                     exec(compile(request["script"], "<string>", "exec"), {"__name__": "__main__"})
             except SystemExit as error:  # (argparse's errors: status 2)
                 rc = error.code if isinstance(error.code, int) else 0 if error.code is None else 1
-            except BaseException:
+            except Exception:
                 traceback.print_exc()
                 rc = 1
         answers.write(json.dumps({"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}) + "\n")

@@ -88,10 +88,14 @@ def _scaled_by_group(w, scales, MXFP4: tl.constexpr, INT8: tl.constexpr):
     elif INT8:
         w = w * tl.expand_dims(scales.to(tl.float32), -1)
     else:
+        SIXTEEN_BIT: tl.constexpr = scales.dtype.primitive_bitwidth == 16
         scale, zero = tl.split(scales.to(tl.float32))
-        # q * scale - zero * scale in one fused multiply-add: with 16-bit scales and zero points both products are
-        # exact in float32, so the one rounding gives (q - zero) * scale's bits, in one instruction fewer
-        w = tl.fma(w, tl.expand_dims(scale, -1), -tl.expand_dims(zero * scale, -1))
+        if SIXTEEN_BIT:
+            # q * scale - zero * scale in one fused multiply-add: with 16-bit scales and zero points both products
+            # are exact in float32, so the one rounding gives (q - zero) * scale's bits, in one instruction fewer
+            w = tl.fma(w, tl.expand_dims(scale, -1), -tl.expand_dims(zero * scale, -1))
+        else:  # (float32 scales: zero * scale would round first)
+            w = (w - tl.expand_dims(zero, -1)) * tl.expand_dims(scale, -1)
     return w
 
 

@@ -223,8 +223,10 @@ def _loader_kernel(w_ptr, s_ptr, out_ptr, K, stride_w, stride_s, stride_out, ROW
 
 
 @pytest.mark.parametrize("block_k", [16, 32, 64])
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4-g32"])
-def test_the_loader_dequantizes_every_code_exactly(fmt, block_k):
+@pytest.mark.parametrize("fmt,scale_dtype", [("mxfp4", torch.uint8), ("int4-g32", torch.float16),
+                                             ("int4-g32", torch.bfloat16), ("int4-g32", torch.float32)],
+                         ids=["mxfp4", "int4-fp16-scales", "int4-bf16-scales", "int4-fp32-scales"])
+def test_the_loader_dequantizes_every_code_exactly(fmt, block_k, scale_dtype):
     ROWS, K = 16, 96  # K not a multiple of 64: the last step runs past the row, masked
     codes = torch.randint(0, 16, (ROWS, K))
     codes[0, :16] = torch.arange(16)
@@ -235,10 +237,11 @@ def test_the_loader_dequantizes_every_code_exactly(fmt, block_k):
         want = quant4.dequantize_mxfp4(packed.cpu(), scale, torch.float32)
         s = scale.to(DEVICE)
     else:
-        scale = (torch.rand(ROWS, K // 32) + 0.01).half()
+        # 16-bit scales take one fused multiply-add, float32 ones (q - zero) * scale: exact either way
+        scale = (torch.rand(ROWS, K // 32) + 0.01).to(scale_dtype)
         zero = torch.randint(0, 16, (ROWS, K // 32))
         want = quant4.dequantize_int4(packed.cpu(), scale, zero, 32, torch.float32)
-        s = torch.stack([scale, zero.half()], dim=-1).to(DEVICE)
+        s = torch.stack([scale, zero.to(scale_dtype)], dim=-1).to(DEVICE)
     # The tiles past K must read zeros, not the next row's bytes (the rows are contiguous)
     width = -(-K // block_k) * block_k
     out = torch.full((ROWS, width), float("nan"), device=DEVICE)
