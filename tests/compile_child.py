@@ -29,11 +29,6 @@ def compiler_env() -> dict:
     return env
 
 
-class CompileResult:
-    def __init__(self, returncode: int, stdout: str, stderr: str):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
 class CompilerProcess:
     """The child serving compile requests; started on the first request, started again after it dies (its stderr
     written directly, by the compiler or a crash, in the answer of the request it died in)."""
@@ -50,7 +45,7 @@ class CompilerProcess:
                                      stdout=subprocess.PIPE, stderr=self.stderr_file, text=True, env=compiler_env(),
                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    def request(self, request: dict, timeout: float) -> CompileResult:
+    def request(self, request: dict, timeout: float) -> subprocess.CompletedProcess:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         try:
@@ -66,9 +61,10 @@ class CompilerProcess:
             self.proc.wait()
             self.stderr_file.seek(0)
             why = "timed out" if not ready else f"exit status {self.proc.returncode}"
-            return CompileResult(1, "", f"compile child {why}:\n{self.stderr_file.read()[-4000:]}")
+            said = self.stderr_file.read()[-4000:]
+            return subprocess.CompletedProcess(request, 1, "", f"compile child {why}:\n{said}")
         answer = json.loads(line)
-        return CompileResult(answer["rc"], answer["stdout"], answer["stderr"])
+        return subprocess.CompletedProcess(request, answer["rc"], answer["stdout"], answer["stderr"])
 
     def close(self):
         if self.proc is not None and self.proc.poll() is None:
@@ -83,12 +79,12 @@ _CHILD = CompilerProcess()
 atexit.register(_CHILD.close)
 
 
-def run_codegen(argv: List[str], timeout: float = 600) -> CompileResult:
+def run_codegen(argv: List[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m fmoe2.codegen *argv`` in the compile child."""
     return _CHILD.request({"argv": list(argv)}, timeout)
 
 
-def run_script(script: str, timeout: float = 600) -> CompileResult:
+def run_script(script: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -c script`` in the compile child."""
     return _CHILD.request({"script": script}, timeout)
 

@@ -413,8 +413,8 @@ def fit_packed_config(cfg: FusedMoEConfig, warp_size: int = 32, lora: bool = Fal
     down chunks (``BLOCK_H x BLOCK_N``) and stage 2's K steps (``S2_BLOCK_N x S2_BLOCK_K``) halved (not below 32)
     until each tile holds at most :data:`PACKED_TILE_ELEMENTS_PER_THREAD` elements per thread (half with
     adapters or more than 32 rows per tile, a quarter for mxfp4 with 128 rows or more); the K steps of
-    ``weight_format`` (mxfp4, int4 or int8) at least its :data:`LEAST_PACKED_K_STEP`; pointer loads (``tma`` off: :func:`~.launches.tma_enabled` takes descriptors for
-    16-bit weights only, so the config says what runs)."""
+    ``weight_format`` (mxfp4, int4 or int8) at least its :data:`LEAST_PACKED_K_STEP`; pointer loads (``tma`` off:
+    :func:`~.launches.tma_enabled` takes descriptors for 16-bit weights only, so the config says what runs)."""
     share = 4 if cfg.BLOCK_M >= 128 and weight_format == "mxfp4" else 2 if lora or cfg.BLOCK_M > 32 else 1
     limit = PACKED_TILE_ELEMENTS_PER_THREAD * warp_size // share
     least_step = LEAST_PACKED_K_STEP[weight_format]
