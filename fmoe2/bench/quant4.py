@@ -2,6 +2,7 @@
 
     python -m fmoe2.bench.quant4 [--shapes gpt-oss-120b,gpt-oss-20b] [--format mxfp4|int4|int8|int8-g128]
                                  [--m 1,16,128,1024,4096] [--out misc/bench/quant4/<device>-mxfp4.json]
+                                 [--launches] [--search]
 
 Per shape and batch size, in one run on one GPU (CUDA graphs, CUDA events, median; the variants' graphs take
 turns, so ratios compare like with like), uniform random routing:
@@ -14,6 +15,9 @@ turns, so ratios compare like with like), uniform random routing:
 * ``vllm-w4a16`` (4-bit formats): the benchmark's vLLM-style baseline (``fmoe2/bench/vllm_style.py``: align, two
   grouped GEMMs, activation and top-k sum kernels) on the same 4-bit weights, dequantized in its GEMMs' K loops as
   vLLM's wna16 kernel does, with vLLM's default config rule for an untuned shape.
+
+With ``--launches``, each launch of the bf16 and of the quantized forward (the sort, fused or stage 1 and stage 2)
+is also timed alone in its own graph (``ceilings.stage_times``): where a format's time goes.
 
 With ``--search``, the quantized forward is also timed at every config of the tuner's grid (``fmoe2.bench.search``,
 as ``fused_moe`` fits them to dequantizing in registers: ``fit_packed_config``), the fastest checked against the
@@ -38,7 +42,7 @@ import fmoe2
 from .. import int8, quant4
 from ..gemm.config import fit_packed_config
 from ..shapes import ALL_SHAPES as SHAPES
-from .ceilings import floor_us, measure_ceilings
+from .ceilings import floor_us, measure_ceilings, stage_times
 from .problems import rel_err
 from .search import fmoe2_candidates, search
 from .provenance import provenance_line, run_record, write_result
@@ -122,8 +126,8 @@ def searched(w: Weights, M: int, x, tw, ti, ref4) -> dict:
     return dict(config=best.to_dict(), us=us, rel_err=err, tried=len(results))
 
 
-def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Generator, search_configs: bool = False
-                ) -> dict:
+def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Generator, search_configs: bool = False,
+                launches: bool = False) -> dict:
     x = torch.randn(M, w.H, generator=gen).to("cuda", torch.bfloat16)
     scores = torch.randn(M, w.E, generator=gen).softmax(-1)
     tw, ti = torch.topk(scores, w.topk, dim=-1)
@@ -159,6 +163,12 @@ def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Gene
     row = dict(shape=w.name, format=w.fmt, group=w.group, E=w.E, H=w.H, I=w.I, topk=w.topk, M=M, experts_hit=hit,
                bits_per_value=w.bits_per_value, floor_us=floor, us=times, rel_err=errors, failed=failed,
                vllm_config=cfg.__dict__)
+    if launches:
+        row["launches"] = {label: stage_times(x, weights, tw, ti, None, out)
+                           for label, weights in (("bf16", w.bf16), (w.fmt, w.packed))}
+        print(f"{w.name:14s} {w.fmt:5s} M={M:5d}  launches alone (us): "
+              + "; ".join(f"{label} " + ", ".join(f"{k} {v:.1f}" for k, v in t.items())
+                          for label, t in row["launches"].items()), flush=True)
     if search_configs:
         row["searched"] = searched(w, M, x, tw, ti, ref4)
         s = row["searched"]
@@ -189,6 +199,14 @@ def markdown(result: dict) -> str:
                      f"{us['bf16'] / us[f]:.2f} | "
                      f"{r['floor_us']:.1f} | {r['floor_us'] / us[f]:.0%} | {us['vllm-w4a16']:.1f} | "
                      f"{us['vllm-w4a16'] / us[f]:.2f} | {r['rel_err'][f]:.1e} |")
+    rows = [r for r in result["rows"] if "launches" in r]
+    if rows:
+        lines += ["", "`--launches`: each launch of the forward alone in its own graph (us): bf16, then the quantized "
+                  "weights.", "", "| shape | format | M | bf16 launches | quantized launches |", "|---|---|---|---|---|"]
+        for r in rows:
+            cells = [", ".join(f"{k} {v:.1f}" for k, v in r["launches"][label].items())
+                     for label in ("bf16", r["format"])]
+            lines.append(f"| {r['shape']} | {_format_label(r)} | {r['M']} | {cells[0]} | {cells[1]} |")
     rows = [r for r in result["rows"] if "searched" in r]
     if rows:
         lines += ["", "`--search`: the fastest fitted config of the tuner's grid for the quantized forward (checked "
@@ -212,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants' turns")
     parser.add_argument("--out", default=None, help="result file (.json; a .md report beside it)")
+    parser.add_argument("--launches", action="store_true",
+                        help="also time each launch of the bf16 and the quantized forward alone")
     parser.add_argument("--search", action="store_true",
                         help="also time the quantized forward at every fitted config of the tuner's grid")
     a = parser.parse_args(argv)
@@ -231,7 +251,7 @@ def main(argv=None) -> int:
     for name in names:
         weights = Weights(name, a.format, gen)
         for M in ms:
-            rows.append(bench_point(weights, M, a.rounds, ceilings, gen, a.search))
+            rows.append(bench_point(weights, M, a.rounds, ceilings, gen, a.search, a.launches))
             report = write_result(out, dict(record, ceilings=ceilings, rows=rows), markdown)  # (kept if cut short)
         del weights
         torch.cuda.empty_cache()

@@ -33,6 +33,23 @@ def test_the_report_names_int4_with_its_group():
     assert "| gpt-oss-20b | mxfp4 | 16 |" in text
 
 
+def test_the_report_lists_each_launch_timed_alone():
+    from fmoe2.bench.quant4 import markdown
+
+    us = {"bf16": 100.0, "mxfp4": 60.0, "vllm-w4a16": 80.0}
+    row = dict(shape="gpt-oss-20b", format="mxfp4", group=32, M=1, us=us, floor_us=13.0,
+               rel_err={"bf16": 1e-3, "mxfp4": 4e-3},
+               launches={"bf16": {"sort": 2.5, "stage1": 40.0, "stage2": 15.0},
+                         "mxfp4": {"sort": 2.5, "stage1": 41.0, "stage2": 16.5}})
+    result = dict(device="GPU X", date="d", torch="t", triton="tr", command="c",
+                  ceilings={"copy_bytes_per_s": 4.2e12}, rows=[row, dict(row, M=16, launches=None)])
+    result["rows"][1].pop("launches")
+    text = markdown(result)
+    assert ("| gpt-oss-20b | mxfp4 | 1 | sort 2.5, stage1 40.0, stage2 15.0 | sort 2.5, stage1 41.0, stage2 16.5 |"
+            in text), text
+    assert "| gpt-oss-20b | mxfp4 | 16 | sort" not in text  # (a row without the launches' times)
+
+
 def test_the_search_grid_is_fitted_for_every_format():
     from fmoe2.bench.quant4 import FORMATS, search_candidates
 
