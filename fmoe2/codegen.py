@@ -162,6 +162,24 @@ def _report_cuda(compiled) -> dict:
     return report
 
 
+def longest_loop_opcodes(sass: str) -> Dict[str, int]:
+    """Opcode counts (predicates dropped) of the longest loop of a ``cuobjdump --dump-sass`` listing: the
+    instructions from a backward branch's target to the branch, once per iteration (the K loop of a GEMM kernel;
+    an inner loop's instructions count in the loop around it). Empty without a loop."""
+    code = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
+        if m:
+            code.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))))
+    loops = [(int(t.group(1), 16), address) for address, text in code if text.startswith("BRA")
+             for t in [re.search(r"0x([0-9a-f]+)", text)] if t and int(t.group(1), 16) < address]
+    if not loops:
+        return {}
+    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
+    counts = collections.Counter(text.split()[0] for address, text in code if first <= address <= last)
+    return dict(counts.most_common())
+
+
 def _sass_report(compiled) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -187,6 +205,8 @@ def _sass_report(compiled) -> dict:
         "spill_instructions": sum(local_ops.values()),  # LDL/STL in the SASS
         # SASS instructions in all (a loop's cost per element, compared between two versions of a kernel)
         "instructions": sum(";" in ln for ln in sass.splitlines() if "/*" in ln),
+        # the instructions of the longest loop (a kernel's K loop): one step's cost, by opcode
+        "loop_instructions": longest_loop_opcodes(sass),
         "shared_memory_bytes": compiled.metadata.shared,
         "matrix_instructions": matrix,
         "wgmma": any(k.startswith(("HGMMA", "QGMMA")) for k in matrix),
