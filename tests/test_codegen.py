@@ -6,8 +6,41 @@ import pytest
 from compile_child import run_codegen, run_script
 
 
-def codegen(target, shape="mixtral-8x7b", ms="1,4096", *flags):
-    proc = run_codegen(["--target", target, "--shape", shape, "--m", ms, *flags])
+# ``python -m fmoe2.codegen`` compiling only the launches named in KERNELS; each other launch is reported by name, M and
+# config alone (the launches are fmoe2.codegen's own, looked up by codegen_report at each call).
+SOME_KERNELS = """
+import json
+import fmoe2.codegen as codegen
+
+every_launch = codegen.codegen_launches
+
+
+def some_launches(named, shape, M, *args):
+    launches = every_launch(named, shape, M, *args)
+    for launch in launches:
+        if launch.kernel not in KERNELS:
+            config = {} if launch.config is None else {"config": launch.config.to_dict()}
+            print(json.dumps({"kernel": launch.kernel, "M": M, **config}))
+    return [launch for launch in launches if launch.kernel in KERNELS]
+
+
+codegen.codegen_launches = some_launches
+try:  # (the compile child serves the next requests with the module as it was)
+    raise SystemExit(codegen.main(ARGV))
+finally:
+    codegen.codegen_launches = every_launch
+"""
+
+
+def codegen(target, shape="mixtral-8x7b", ms="1,4096", *flags, kernels=None):
+    """The reports by (kernel, M). ``kernels``: the report names of the launches to compile, the others reported
+    uncompiled (SOME_KERNELS): a test then pays for the kernels it reads, not for every launch of the forwards (the
+    sorts, and the other path's launches, were half the cold compile time of the LoRA tests)."""
+    argv = ["--target", target, "--shape", shape, "--m", ms, *flags]
+    if kernels is None:
+        proc = run_codegen(argv)
+    else:
+        proc = run_script(f"ARGV, KERNELS = {argv!r}, {set(kernels)!r}\n" + SOME_KERNELS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert reports, proc.stdout
@@ -85,6 +118,8 @@ def test_sm80_lowers_bf16_atomics_to_a_cas_loop():
 
 
 SM90_SHARED_MEMORY = 232448  # bytes per block on H100/H200
+GEMM_KERNELS = ("fused_moe", "fused_moe_decode", "fused_moe_stage1", "moe_stage2")  # the launches that take a config
+LORA_KERNELS = ("lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2")  # the two-stage path's LoRA launches
 
 
 def test_sm90_tma_configs_load_weights_through_the_copy_engine():
@@ -98,7 +133,7 @@ def test_sm90_tma_configs_load_weights_through_the_copy_engine():
                 ("deepseek-v2-lite", "1,1024"): {("fused_moe", 1), ("fused_moe_decode", 1),
                                                  ("fused_moe_stage1", 1024), ("moe_stage2", 1024)}}
     for (shape, ms), keys in expected.items():
-        r = codegen("sm_90", shape, ms, "--tuned-for", "NVIDIA_H200")
+        r = codegen("sm_90", shape, ms, "--tuned-for", "NVIDIA_H200", kernels=GEMM_KERNELS)
         tma = {key for key, rep in r.items() if rep.get("config", {}).get("tma")}
         assert keys <= tma, (shape, sorted(tma))
         for key in tma:
@@ -145,10 +180,11 @@ def test_sm90_pdl_configs_wait_for_the_previous_launch():
     # (4800 entries, 2 scan steps, under sort_chunk_size's threshold) get 2 programs each, then 19
     # that zero the output, with 4 warps on 132 multiprocessors and 8 on 304.
     for target, warps in (("sm_90", 4), ("gfx942", 8)):
-        rep = codegen(target, "100,256,128,8", "600")[("moe_sorting", 600)]
+        rep = codegen(target, "100,256,128,8", "600", kernels=("moe_sorting",))[("moe_sorting", 600)]
         assert rep["chunk_size"] == 0 and rep["grid"] == [2 * 100 + 19] and rep["num_warps"] == warps, rep
     # With adapters the two-stage path's LoRA launches join the chain: each waits and signals early.
-    r = codegen("sm_90", "qwen3-30b-a3b", "4096", "--pdl", "--lora-rank", "16")
+    r = codegen("sm_90", "qwen3-30b-a3b", "4096", "--pdl", "--lora-rank", "16",
+                kernels=(*LORA_KERNELS, "fused_moe_stage1_lora", "moe_stage2"))
     for kernel in ("lora_shrink13", "lora_expand13", "fused_moe_stage1_lora", "lora_shrink2", "lora_expand2"):
         assert r[(kernel, 4096)]["grid_dependency_control"] == [early, wait], (kernel, r[(kernel, 4096)])
     assert r[("moe_stage2", 4096)]["grid_dependency_control"] == [wait]
@@ -159,17 +195,15 @@ def test_sm90_lora_kernel_spills_at_most_a_few_registers(shape, rank):
     # BLOCK_M=32 was what the defaults picked for Qwen3 at M=1024; per-adapter loops once spilled 182
     # instructions there (measured slow on the H200); the stacked adapter operands keep it. A handful
     # of spill instructions outside the loops is the cost of keeping the plain BLOCK_K (measured faster).
-    proc = run_codegen(["--target", "sm_90", "--shape", shape, "--m", "1,16,128,1024", "--lora-rank", str(rank)])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    lora = [r for r in reports if r["kernel"] == "fused_moe_lora"]
+    reports = codegen("sm_90", shape, "1,16,128,1024", "--lora-rank", str(rank), kernels=("fused_moe_lora",))
+    lora = [r for (kernel, _), r in reports.items() if kernel == "fused_moe_lora"]
     assert len(lora) == 4
     for r in lora:
         if rank == 16:  # the benchmarked rank; rank 64 spills 246 at Mixtral M=1024 (Triton 3.9; not measured on a GPU)
             assert r["spill_instructions"] <= MAX_LORA_SPILLS, r
         # Pipelined per-adapter loops once needed 266 KB at rank 64 (an out-of-resources launch).
         assert r["shared_memory_bytes"] <= SM90_SHARED_MEMORY, r
-    plain = {r["M"]: r["config"] for r in reports if r["kernel"] == "fused_moe"}
+    plain = {M: r["config"] for (kernel, M), r in reports.items() if kernel == "fused_moe"}  # (not compiled)
     for r in lora:  # tiles keep their rows: halving BLOCK_M doubles the weight reads
         assert r["config"]["BLOCK_M"] == plain[r["M"]]["BLOCK_M"], r
 
@@ -179,15 +213,13 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
     # With adapters, stage 1 only adds ready deltas: it must keep the plain stage 1's shared memory
     # and (nearly) its registers, else tiles without adapters lose resident programs (measured
     # 1.3-1.4x slower on the H100 when a stacked expand inside stage 1 added 25 KB and 55 registers).
-    reports = {}
-    for lora in ("0", "16"):
-        proc = run_codegen(["--target", "sm_90", "--shape", shape, "--m", "1024", "--lora-rank", lora])
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        reports.update({r["kernel"]: r for r in map(json.loads, proc.stdout.splitlines()) if r})
+    reports = {**codegen("sm_90", shape, "1024", "--lora-rank", "0", kernels=("fused_moe_stage1",)),
+               **codegen("sm_90", shape, "1024", "--lora-rank", "16", kernels=(*LORA_KERNELS, "fused_moe_stage1_lora"))}
+    reports = {kernel: r for (kernel, _), r in reports.items()}
     plain, lora = reports["fused_moe_stage1"], reports["fused_moe_stage1_lora"]
     assert lora["shared_memory_bytes"] == plain["shared_memory_bytes"], (plain, lora)
     assert lora["registers"] <= plain["registers"] + 16 and no_spills(lora), (plain, lora)
-    for kernel in ("lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2"):
+    for kernel in LORA_KERNELS:
         rep = reports[kernel]
         assert rep["shared_memory_bytes"] <= SM90_SHARED_MEMORY, rep
         # 4 warps and 4 stages ran the four LoRA launches 1.4-1.5x faster than 8 warps and 2 stages on
@@ -195,11 +227,10 @@ def test_two_stage_lora_keeps_stage1_footprint_and_rocm_compiles(shape):
         # (lora_kernel_options); nothing more may spill.
         max_spills = 16 if kernel == "lora_expand13" else 0
         assert rep["local_memory_bytes"] == 0 and rep["spill_instructions"] <= max_spills, rep
-    proc = run_codegen(["--target", "gfx942", "--shape", shape, "--m", "1024", "--lora-rank", "16"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rocm = [r for r in map(json.loads, proc.stdout.splitlines()) if "lora" in r["kernel"]]
-    assert {r["kernel"] for r in rocm} == {"moe_sorting_lora", "fused_moe_lora", "lora_shrink13", "lora_expand13",
-                                           "fused_moe_stage1_lora", "lora_shrink2", "lora_expand2"}
+    with_lora = ("moe_sorting_lora", "fused_moe_lora", *LORA_KERNELS, "fused_moe_stage1_lora")
+    reports = codegen("gfx942", shape, "1024", "--lora-rank", "16", kernels=with_lora)
+    rocm = [r for (kernel, _), r in reports.items() if "lora" in kernel]
+    assert {r["kernel"] for r in rocm} == set(with_lora)  # (launches not compiled are reported too)
     for rep in rocm:
         assert rep["lds_bytes"] <= 64 * 1024 and no_spills(rep), rep
 
@@ -208,12 +239,12 @@ def test_sm80_two_stage_lora_kernels_take_their_own_launch_settings():
     # lora_kernel_options picks per architecture: the sm_90 setting (4 warps, 4 stages at 64-row
     # tiles) spilled 280 instructions in the sm_80 down expand; sm_80 gets 8 warps, 2 stages.
     # Qwen3 M=1024: the defaults' 64-row tiles (128-row tiles: see lora_kernel_options).
-    reports = codegen("sm_80", "qwen3-30b-a3b", "1024", "--lora-rank", "16")
+    reports = codegen("sm_80", "qwen3-30b-a3b", "1024", "--lora-rank", "16", kernels=LORA_KERNELS)
     lora = {k: r for (k, _), r in reports.items() if k.startswith(("lora_shrink", "lora_expand"))}
-    assert set(lora) == {"lora_shrink13", "lora_expand13", "lora_shrink2", "lora_expand2"}
+    assert set(lora) == set(LORA_KERNELS)
     for rep in lora.values():
         assert (rep["num_warps"], rep["num_stages"]) == (8, 2) and no_spills(rep), rep
-    sm90 = codegen("sm_90", "qwen3-30b-a3b", "1024", "--lora-rank", "16")
+    sm90 = codegen("sm_90", "qwen3-30b-a3b", "1024", "--lora-rank", "16", kernels=("lora_shrink13",))
     assert (sm90[("lora_shrink13", 1024)]["num_warps"], sm90[("lora_shrink13", 1024)]["num_stages"]) == (4, 4)
 
 
@@ -224,7 +255,7 @@ def test_fused_lora_kernels_fit_the_shared_memory_of_their_target():
     from fmoe2.codegen import TARGET_SHARED_MEMORY
 
     for target, stages in (("sm_80", 2), ("sm_90", 3)):
-        reports = codegen(target, "qwen3-30b-a3b", "1,16,128", "--lora-rank", "16")
+        reports = codegen(target, "qwen3-30b-a3b", "1,16,128", "--lora-rank", "16", kernels=("fused_moe_lora",))
         for M in (1, 16, 128):
             rep = reports[("fused_moe_lora", M)]
             assert rep["shared_memory_bytes"] <= TARGET_SHARED_MEMORY[target], rep
@@ -545,7 +576,7 @@ def test_one_launch_decode_zeroes_its_accumulator_only_after_every_thread_read_i
     # read yet:
     # gpt-oss-20b and DeepSeek-V3 decoded with relative errors of 0.2-0.4 (issue 44; docs/correctness.md).
     for shape in ("32,2880,2880,4", "256,7168,2048,8"):
-        r = codegen(target, shape, "1")
+        r = codegen(target, shape, "1", kernels=("fused_moe", "fused_moe_decode"))
         assert r[("fused_moe_decode", 1)]["accumulator_reset_after_reads"] is True, r[("fused_moe_decode", 1)]
         assert r[("fused_moe", 1)]["accumulator_reset_after_reads"] is None  # the sort path's cast zeroes nothing
 
@@ -554,7 +585,8 @@ def test_one_launch_decode_zeroes_its_accumulator_only_after_every_thread_read_i
 def test_tail_tiles_compile_both_tile_heights_without_spills(target, flags):
     # gpt-oss-20b M=1024: the H200 pick is 128-row two-stage (tensor descriptors); ROCm's default 64-row tiles.
     tail = "64" if target == "sm_90" else "32"
-    reports = codegen(target, "32,2880,2880,4", "1024", "--tail-m", tail, *flags)
+    reports = codegen(target, "32,2880,2880,4", "1024", "--tail-m", tail, *flags,
+                      kernels=("fused_moe_stage1", "moe_stage2"))
     for kernel in ("fused_moe_stage1", "moe_stage2"):
         rep = reports[(kernel, 1024)]
         assert rep["config"]["TAIL_M"] == int(tail) and no_spills(rep), rep

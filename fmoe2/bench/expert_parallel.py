@@ -3,6 +3,8 @@
     python -m fmoe2.bench.expert_parallel save DIR [--model qwen3-30b-a3b] [--layers 4]
     python -m torch.distributed.run --nproc-per-node 2 -m fmoe2.bench.expert_parallel decode DIR --out ep2.json
     python -m fmoe2.bench.expert_parallel decode DIR --out one.json            (one process: no parallelism)
+    python -m torch.distributed.run --nproc-per-node 2 -m fmoe2.bench.expert_parallel decode DIR \
+        --backend fmoe2,grouped_mm --out 'ep2_{backend}.json'                   (each backend in turn, one launch)
     python -m fmoe2.bench.expert_parallel compare one.json ep2.json [--min 0.95]
     python -m fmoe2.bench.expert_parallel table one.json ep2.json ep2_grouped_mm.json   (markdown: step times)
 
@@ -16,7 +18,9 @@ per rank, ``cuda:LOCAL_RANK``), gloo on the CPU (set ``TRITON_INTERPRET=1`` ther
 under the Triton interpreter). It records the greedy tokens of ``--steps`` steps after a fixed random
 prompt, how many experts calls each rank sent to fmoe2 (0 would mean transformers' own backend ran),
 and with ``--time`` the decode step time per token at each ``--batch`` size (median of ``--repeats``
-runs, after a warm-up). ``compare`` prints the fraction of equal greedy tokens of two runs and exits 1
+runs, after a warm-up). Several comma-separated ``--backend`` names decode in turn in the same processes, each
+with the model loaded again, into one result each (``{backend}`` in ``--out`` is replaced by its name): one start of
+the processes for all of them. ``compare`` prints the fraction of equal greedy tokens of two runs and exits 1
 below ``--min``; ``table`` prints the decode step times of several runs side by side, with each run's provenance.
 
 transformers' expert parallelism needs ``accelerate`` installed (it places the shards).
@@ -97,12 +101,34 @@ def decode(args) -> int:
     rank = int(os.environ.get("RANK", "0"))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
     calls = count_fmoe2_calls()
-    model = load(args.model_dir, args.backend, dtype, world)
+    for backend in args.backend.split(","):
+        result = decode_backend(args, backend, dtype, world, calls)
+        if rank == 0:
+            import transformers
+
+            from .provenance import run_record
+
+            prog = "python -m fmoe2.bench.expert_parallel"
+            if world > 1:  # (the launcher is part of the command: without it the same arguments run one process)
+                prog = f"python -m torch.distributed.run --nproc-per-node {world} -m fmoe2.bench.expert_parallel"
+            result.update(run_record(prog), transformers=transformers.__version__)
+            with open(args.out.replace("{backend}", backend), "w") as f:
+                json.dump(result, f, indent=1)
+            print(json.dumps({p["batch"]: {k: v for k, v in p.items() if k != "tokens"} for p in result["points"]}))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def decode_backend(args, backend: str, dtype: torch.dtype, world: int, calls: list) -> dict:
+    """The decode result of one backend (every rank's calls into fmoe2 gathered; ``calls``: count_fmoe2_calls's)."""
+    model = load(args.model_dir, backend, dtype, world)
     device = _rank_device(world)  # where load() put this rank's share
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     batches = [int(b) for b in args.batch.split(",")]
-    result = {"world_size": world, "backend": args.backend, "dtype": args.dtype, "steps": args.steps, "points": []}
+    result = {"world_size": world, "backend": backend, "dtype": args.dtype, "steps": args.steps, "points": []}
     for batch in batches:
         ids = torch.randint(0, vocab, (batch, PROMPT_TOKENS), generator=gen).to(device)
         before = len(calls)
@@ -121,22 +147,7 @@ def decode(args) -> int:
     else:
         for point in result["points"]:
             point["fmoe2_calls"] = [point["fmoe2_calls"]]
-    if rank == 0:
-        import transformers
-
-        from .provenance import run_record
-
-        prog = "python -m fmoe2.bench.expert_parallel"
-        if world > 1:  # (the launcher is part of the command: without it the same arguments run one process)
-            prog = f"python -m torch.distributed.run --nproc-per-node {world} -m fmoe2.bench.expert_parallel"
-        result.update(run_record(prog), transformers=transformers.__version__)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(json.dumps({p["batch"]: {k: v for k, v in p.items() if k != "tokens"} for p in result["points"]}))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return 0
+    return result
 
 
 def agreement(a: dict, b: dict) -> float:
@@ -196,8 +207,10 @@ def main(argv=None) -> int:
     s.add_argument("--layers", type=int, default=4)
     d = sub.add_parser("decode", help="greedy decode of a saved model (under torch.distributed.run: split over ranks)")
     d.add_argument("model_dir")
-    d.add_argument("--out", required=True, help="result JSON (written by rank 0)")
-    d.add_argument("--backend", default="fmoe2", help="experts_implementation")
+    d.add_argument("--out", required=True,
+                   help="result JSON (written by rank 0); {backend} in it is replaced by the backend's name")
+    d.add_argument("--backend", default="fmoe2",
+                   help="experts_implementation; comma-separated: each in turn (--out then needs {backend})")
     d.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     d.add_argument("--steps", type=int, default=16, help="greedy tokens per sequence")
     d.add_argument("--batch", default="2", help="comma-separated batch sizes")
@@ -214,6 +227,8 @@ def main(argv=None) -> int:
     if args.command == "save":
         return save(args)
     if args.command == "decode":
+        if "," in args.backend and "{backend}" not in args.out:
+            p.error("several --backend names write one result each: put {backend} in --out")
         return decode(args)
     if args.command == "table":
         runs = {}

@@ -37,12 +37,13 @@ pytestmark = [
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def _decode(model_dir, out, processes: int, backend: str = "fmoe2"):
+def _decode(model_dir, out, processes: int, backends: str = "fmoe2") -> dict:
+    """The results by backend of one launch: ``out`` has ``{backend}`` in it where ``backends`` names several."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] \
         if processes > 1 else [sys.executable]
     command = [*launcher, "-m", "fmoe2.bench.expert_parallel", "decode", str(model_dir), "--out", str(out), "--dtype",
-               "fp32", "--steps", "16", "--batch", "2", "--backend", backend]
+               "fp32", "--steps", "16", "--batch", "2", "--backend", backends]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and processes > 1 and TEARDOWN_ABORT in proc.stderr:
         # A rank aborted in C++ with no Python error (std::terminate on a joinable thread, no traceback): 3 of 26
@@ -52,8 +53,11 @@ def _decode(model_dir, out, processes: int, backend: str = "fmoe2"):
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, f"twice: {first[-2000:]}\n---\n{proc.stderr[-2000:]}"
     assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(out) as f:
-        return json.load(f)
+    results = {}
+    for backend in backends.split(","):
+        with open(str(out).replace("{backend}", backend)) as f:
+            results[backend] = json.load(f)
+    return results
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
@@ -62,10 +66,13 @@ def test_two_expert_parallel_ranks_decode_the_tokens_of_one_process(model_type, 
         pytest.skip(f"{model_type} is not in this transformers")
     model = build(model_type, layers=2)  # 4 experts: 2 per rank
     model.save_pretrained(tmp_path / "model")
-    one = _decode(tmp_path / "model", tmp_path / "one.json", 1)
-    two = _decode(tmp_path / "model", tmp_path / "two.json", 2)
+    one = _decode(tmp_path / "model", tmp_path / "one.json", 1)["fmoe2"]
+    # Both backends' runs on two ranks in one launch: starting two processes (torch, transformers) was most of a run's
+    # time on the CPU.
+    two, own_two = _decode(tmp_path / "model", tmp_path / "two_{backend}.json", 2, "fmoe2,grouped_mm").values()
     from fmoe2.bench.expert_parallel import agreement
 
+    assert (two["backend"], own_two["backend"]) == ("fmoe2", "grouped_mm")
     assert two["world_size"] == 2 and len(two["points"][0]["fmoe2_calls"]) == 2
     assert "torch.distributed.run --nproc-per-node 2 -m fmoe2.bench.expert_parallel decode" in two["command"]
     assert one["command"].startswith("python -m fmoe2.bench.expert_parallel decode") and one["device"] == "cpu"
@@ -76,9 +83,16 @@ def test_two_expert_parallel_ranks_decode_the_tokens_of_one_process(model_type, 
     # split decode the same tokens. In bf16 (2026-11-27, tiny Qwen3-MoE) fmoe2 on two H200s decoded exactly the tokens
     # of transformers' eager experts on two gloo ranks, and on one GPU those of one process, while one rank and two
     # ranks differed at 19% of positions with either backend: docs/transformers.md#expert-parallelism-on-two-gpus.
-    own_two = _decode(tmp_path / "model", tmp_path / "own_two.json", 2, backend="grouped_mm")
-    assert own_two["points"][0]["fmoe2_calls"] == [0, 0]
+    assert own_two["world_size"] == 2 and own_two["points"][0]["fmoe2_calls"] == [0, 0]
     assert agreement(two, own_two) >= 0.95
+
+
+def test_several_backends_in_one_launch_need_a_result_name_each():
+    from fmoe2.bench.expert_parallel import main
+
+    with pytest.raises(SystemExit) as refused:  # (one --out for both: the second result would overwrite the first)
+        main(["decode", "model", "--out", "ep2.json", "--backend", "fmoe2,grouped_mm"])
+    assert refused.value.code == 2
 
 
 def test_the_step_time_table_sets_runs_side_by_side():
