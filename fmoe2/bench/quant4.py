@@ -2,7 +2,7 @@
 
     python -m fmoe2.bench.quant4 [--shapes gpt-oss-120b,gpt-oss-20b] [--format mxfp4|int4|int8|int8-g128]
                                  [--m 1,16,128,1024,4096] [--out misc/bench/quant4/<device>-mxfp4.json]
-                                 [--launches] [--search]
+                                 [--untuned] [--launches] [--search]
 
 Per shape and batch size, in one run on one GPU (CUDA graphs, CUDA events, median; the variants' graphs take
 turns, so ratios compare like with like), uniform random routing:
@@ -15,6 +15,9 @@ turns, so ratios compare like with like), uniform random routing:
 * ``vllm-w4a16`` (4-bit formats): the benchmark's vLLM-style baseline (``fmoe2/bench/vllm_style.py``: align, two
   grouped GEMMs, activation and top-k sum kernels) on the same 4-bit weights, dequantized in its GEMMs' K loops as
   vLLM's wna16 kernel does, with vLLM's default config rule for an untuned shape.
+
+With ``--untuned``, the quantized forward is also timed with the pick it would run without the format's tuned entry
+(the shape's 16-bit pick, fitted to the format as ``fused_moe`` fits it): ``untuned``, what the entry gains.
 
 With ``--launches``, each launch of the bf16 and of the quantized forward (the sort, fused or stage 1 and stage 2)
 is also timed alone in its own graph (``ceilings.stage_times``): where a format's time goes.
@@ -40,8 +43,9 @@ import torch
 
 import fmoe2
 from .. import int8, quant4
-from ..gemm.config import fit_packed_config
+from ..gemm.config import ConfigMode, ConfigProblem, device_config_name, fit_packed_config, resolve_config
 from ..shapes import ALL_SHAPES as SHAPES
+from ..target import target_of
 from .ceilings import floor_us, measure_ceilings, stage_times
 from .problems import rel_err
 from .search import fmoe2_candidates, search
@@ -126,8 +130,15 @@ def searched(w: Weights, M: int, x, tw, ti, ref4) -> dict:
     return dict(config=best.to_dict(), us=us, rel_err=err, tried=len(results))
 
 
+def untuned_pick(w: Weights, M: int, target=None, tuned_for=None):
+    """The config the quantized forward of ``w`` at ``M`` picks without its format's tuned entry: the shape's 16-bit
+    pick (passed as ``config=``, ``fused_moe`` fits it to the format). ``target``, ``tuned_for``: this GPU's."""
+    problem = ConfigProblem(M, w.E, w.H, w.I, w.topk, torch.bfloat16)
+    return resolve_config(problem, ConfigMode(), target or target_of(), tuned_for=tuned_for or device_config_name())
+
+
 def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Generator, search_configs: bool = False,
-                launches: bool = False) -> dict:
+                launches: bool = False, untuned: bool = False) -> dict:
     x = torch.randn(M, w.H, generator=gen).to("cuda", torch.bfloat16)
     scores = torch.randn(M, w.E, generator=gen).softmax(-1)
     tw, ti = torch.topk(scores, w.topk, dim=-1)
@@ -138,6 +149,9 @@ def bench_point(w: Weights, M: int, rounds: int, ceilings: dict, gen: torch.Gene
         "bf16": lambda: fmoe2.fused_moe(x, w.bf16, None, tw, ti, out=out),
         w.fmt: lambda: fmoe2.fused_moe(x, w.packed, None, tw, ti, out=out),
     }
+    if untuned:
+        variants["untuned"] = lambda cfg=untuned_pick(w, M): fmoe2.fused_moe(x, w.packed, None, tw, ti, config=cfg,
+                                                                             out=out)
     if w.baseline is not None:
         p1, p2, s1, s2 = w.baseline
         variants["vllm-w4a16"] = lambda: vllm_style_fused_experts(x, p1, p2, tw, ti, cfg, cfg, w1_group_scale=s1,
@@ -199,6 +213,16 @@ def markdown(result: dict) -> str:
                      f"{us['bf16'] / us[f]:.2f} | "
                      f"{r['floor_us']:.1f} | {r['floor_us'] / us[f]:.0%} | {us['vllm-w4a16']:.1f} | "
                      f"{us['vllm-w4a16'] / us[f]:.2f} | {r['rel_err'][f]:.1e} |")
+    rows = [r for r in result["rows"] if "untuned" in r["us"]]
+    if rows:
+        lines += ["", "`--untuned`: the quantized forward with the pick it makes without the format's tuned entry, "
+                  "same run (us).", "", "| shape | format | M | quantized | untuned pick | untuned / quantized | "
+                  "rel err untuned |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            us = r["us"]
+            lines.append(f"| {r['shape']} | {_format_label(r)} | {r['M']} | {us[r['format']]:.1f} | "
+                         f"{us['untuned']:.1f} | {us['untuned'] / us[r['format']]:.2f} | "
+                         f"{r['rel_err']['untuned']:.1e} |")
     rows = [r for r in result["rows"] if "launches" in r]
     if rows:
         lines += ["", "`--launches`: each launch of the forward alone in its own graph (us): bf16, then the quantized "
@@ -230,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--m", default="1,16,128,1024,4096", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants' turns")
     parser.add_argument("--out", default=None, help="result file (.json; a .md report beside it)")
+    parser.add_argument("--untuned", action="store_true",
+                        help="also time the quantized forward with its pick without the format's tuned entry")
     parser.add_argument("--launches", action="store_true",
                         help="also time each launch of the bf16 and the quantized forward alone")
     parser.add_argument("--search", action="store_true",
@@ -251,7 +277,7 @@ def main(argv=None) -> int:
     for name in names:
         weights = Weights(name, a.format, gen)
         for M in ms:
-            rows.append(bench_point(weights, M, a.rounds, ceilings, gen, a.search, a.launches))
+            rows.append(bench_point(weights, M, a.rounds, ceilings, gen, a.search, a.launches, a.untuned))
             report = write_result(out, dict(record, ceilings=ceilings, rows=rows), markdown)  # (kept if cut short)
         del weights
         torch.cuda.empty_cache()

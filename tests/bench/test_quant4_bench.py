@@ -43,11 +43,33 @@ def test_the_report_lists_each_launch_timed_alone():
                          "mxfp4": {"sort": 2.5, "stage1": 41.0, "stage2": 16.5}})
     result = dict(device="GPU X", date="d", torch="t", triton="tr", command="c",
                   ceilings={"copy_bytes_per_s": 4.2e12}, rows=[row, dict(row, M=16, launches=None)])
+    result["rows"][0] = dict(row, us=dict(us, untuned=75.0), rel_err=dict(row["rel_err"], untuned=3e-3))
     result["rows"][1].pop("launches")
     text = markdown(result)
     assert ("| gpt-oss-20b | mxfp4 | 1 | sort 2.5, stage1 40.0, stage2 15.0 | sort 2.5, stage1 41.0, stage2 16.5 |"
             in text), text
     assert "| gpt-oss-20b | mxfp4 | 16 | sort" not in text  # (a row without the launches' times)
+    assert "| gpt-oss-20b | mxfp4 | 1 | 60.0 | 75.0 | 1.25 | 3.0e-03 |" in text, text  # --untuned
+    assert "| gpt-oss-20b | mxfp4 | 16 | 60.0 |" not in text
+
+
+def test_the_untuned_pick_is_the_16bit_entry_fitted_as_the_forward_fits_a_callers_config():
+    from types import SimpleNamespace
+
+    import torch
+
+    from fmoe2.bench.quant4 import untuned_pick
+    from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
+    from fmoe2.target import NAMED_TARGETS
+
+    shape = SimpleNamespace(E=32, H=2880, I=2880, topk=4)  # gpt-oss-20b, whose H200 file has mxfp4 entries
+    problem = ConfigProblem(1024, 32, 2880, 2880, 4, torch.bfloat16)
+    mode, target = ConfigMode(weight_format="mxfp4"), NAMED_TARGETS["sm_90"]
+    tuned = resolve_config(problem, mode, target, tuned_for="NVIDIA_H200")
+    plain = resolve_config(problem, ConfigMode(), target, tuned_for="NVIDIA_H200")
+    untuned = resolve_config(problem, mode, target, untuned_pick(shape, 1024, target, "NVIDIA_H200"),
+                             tuned_for="NVIDIA_H200")
+    assert untuned != tuned and untuned.BLOCK_M == plain.BLOCK_M, (untuned, tuned, plain)
 
 
 def test_the_search_grid_is_fitted_for_every_format():
