@@ -77,7 +77,9 @@ def packed_group(weights: str, H: int, inter: int) -> int:
 
 
 def _signature(fn, args: dict, constexprs: dict, backend: str):
-    """Signature and attributes as Triton's JIT derives them from real arguments."""
+    """Signature and attributes as Triton's JIT derives them from real arguments. A tuple argument (a bundle of
+    ``fmoe2/gemm/bundles.py``) is typed element by element, as the JIT does: its signature is a tuple of the same
+    type (a NamedTuple keeps its field names), its constexprs and attributes keyed by their paths ``(i, j)``."""
     signature, attrs, constexprs = {}, {}, dict(constexprs)
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if name in constexprs or (param.is_constexpr and name not in args):
@@ -85,30 +87,56 @@ def _signature(fn, args: dict, constexprs: dict, backend: str):
             constexprs.setdefault(name, param.default)  # a constexpr left to its default
             continue
         v = args[name] if name in args else param.default  # arguments left to their defaults
-        if v is None:  # the JIT makes None a constexpr
-            signature[name], constexprs[name] = "constexpr", None
+        if isinstance(v, tuple):
+            signature[name] = _tuple_signature(v, (i,), attrs, constexprs, backend)
             continue
-        if isinstance(v, int) and not isinstance(v, bool) and v == 1 and not param.do_not_specialize:
-            signature[name], constexprs[name] = "constexpr", 1  # the JIT specialises ints equal to 1
-            continue
-        if isinstance(v, TensorDescriptor):
-            signature[name] = f"tensordesc<{_TRITON_TYPES[v.base.dtype]}{list(v.block_shape)}>"
-            continue
-        if isinstance(v, torch.Tensor):
-            signature[name] = "*" + _TRITON_TYPES[v.dtype]
-            hints = [["tt.divisibility", 16]]  # fresh allocations are 256-byte aligned
-            if backend == "hip" and v.numel() * v.element_size() <= 2**31 - 1:
-                hints.append(["tt.pointer_range", 32])  # what the JIT adds for buffer ops
+        kind, hints = _argument_type(v, name, specialize=not param.do_not_specialize, backend=backend)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = v
+        elif hints:
             attrs[(i,)] = hints
-        elif isinstance(v, bool):
-            signature[name] = "i1"
-        elif isinstance(v, int):
-            signature[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-            if v % 16 == 0 and not param.do_not_specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            raise TypeError(f"cannot type argument {name}={v!r}")
     return signature, attrs, constexprs
+
+
+def _tuple_signature(values: tuple, path: tuple, attrs: dict, constexprs: dict, backend: str):
+    """The signature of a tuple argument at ``path``; its elements' constexprs and attributes go into
+    ``constexprs`` and ``attrs`` by path."""
+    kinds = []
+    for j, v in enumerate(values):
+        if isinstance(v, tuple):
+            kinds.append(_tuple_signature(v, path + (j,), attrs, constexprs, backend))
+            continue
+        kind, hints = _argument_type(v, f"element {path + (j,)}", specialize=True, backend=backend)
+        kinds.append(kind)
+        if kind == "constexpr":
+            constexprs[path + (j,)] = v
+        elif hints:
+            attrs[path + (j,)] = hints
+    return type(values)(*kinds) if hasattr(values, "_fields") else tuple(kinds)
+
+
+def _argument_type(v, name: str, specialize: bool, backend: str):
+    """``(type, attributes)`` of one argument value, as the JIT specialises it: None and ints equal to 1 become
+    constexprs (the latter unless ``specialize`` is off), ints divisible by 16 and fresh allocations (256-byte
+    aligned) get the divisibility hint."""
+    if v is None:
+        return "constexpr", None
+    if isinstance(v, int) and not isinstance(v, bool) and v == 1 and specialize:
+        return "constexpr", None
+    if isinstance(v, TensorDescriptor):
+        return f"tensordesc<{_TRITON_TYPES[v.base.dtype]}{list(v.block_shape)}>", None
+    if isinstance(v, torch.Tensor):
+        hints = [["tt.divisibility", 16]]
+        if backend == "hip" and v.numel() * v.element_size() <= 2**31 - 1:
+            hints.append(["tt.pointer_range", 32])  # what the JIT adds for buffer ops
+        return "*" + _TRITON_TYPES[v.dtype], hints
+    if isinstance(v, bool):
+        return "i1", None
+    if isinstance(v, int):
+        kind = "i32" if -(2**31) <= v < 2**31 else "i64"
+        return kind, [["tt.divisibility", 16]] if v % 16 == 0 and specialize else None
+    raise TypeError(f"cannot type argument {name}={v!r}")
 
 
 def _tool(name: str) -> str:

@@ -207,12 +207,15 @@ class BoundLaunch:
 
     ``source_of`` maps a device address of the spec's arguments to the index of its source in the
     per-call value list (the plan's inputs and workspace buffers). Each tensor argument becomes a
-    pointer slot, each tensor descriptor a descriptor slot (its base the slot's pointer); everything
-    else is kept as given. Raises ``KeyError`` when a tensor argument has no source.
+    pointer slot, each tensor descriptor a descriptor slot (its base the slot's pointer), each tuple
+    argument (a bundle, ``fmoe2/gemm/bundles.py``) a tuple slot whose tensors are pointer slots of its
+    own (the launcher takes any tuple where the kernel has one); everything else is kept as given.
+    Raises ``KeyError`` when a tensor argument has no source, ``ValueError`` for a tuple holding a
+    tuple or a descriptor (the JIT launches those).
     """
 
-    __slots__ = ("name", "grid", "values", "pointer_slots", "descriptor_slots", "run", "prefix", "compiled",
-                 "expansion", "expanded")
+    __slots__ = ("name", "grid", "values", "pointer_slots", "descriptor_slots", "tuple_slots", "run", "prefix",
+                 "compiled", "expansion", "expanded")
 
     def __init__(self, spec: LaunchSpec, compiled, source_of: Dict[int, int]):
         self.name = spec.name
@@ -221,6 +224,7 @@ class BoundLaunch:
         values: List[Any] = []
         pointer_slots: List[Tuple[int, int]] = []
         descriptor_slots: List[Tuple[int, int, TensorDescriptor]] = []
+        tuple_slots: List[Tuple[int, list, Tuple[Tuple[int, int], ...]]] = []
         for position, (name, default) in enumerate(kernel_parameters(spec.kernel)):
             if name in spec.args:
                 value = spec.args[name]
@@ -235,10 +239,14 @@ class BoundLaunch:
                 template = _descriptor_at(value, DevicePointer(0, value.base.dtype))
                 descriptor_slots.append((position, source_of[value.base.data_ptr()], template))
                 value = None
+            elif isinstance(value, tuple):
+                tuple_slots.append((position, *_tuple_template(value, source_of)))
+                value = None
             values.append(value)
         self.values = values
         self.pointer_slots = tuple(pointer_slots)
         self.descriptor_slots = tuple(descriptor_slots)
+        self.tuple_slots = tuple(tuple_slots)
         self.compiled = compiled
         self.run, self.prefix = direct_launcher(compiled)
         # Triton 3.6, kernels with tensor descriptors: the C function, each descriptor's expansion cached by address.
@@ -254,6 +262,8 @@ class BoundLaunch:
         args = self.values.copy()
         for position, source in self.pointer_slots:
             args[position] = sources[source]
+        for position, template, slots in self.tuple_slots:
+            args[position] = _tuple_at(template, slots, sources)
         for position, source, template in self.descriptor_slots:
             args[position] = _descriptor_at(template, DevicePointer(sources[source], template.base.dtype))
         return args
@@ -262,6 +272,11 @@ class BoundLaunch:
         args = self.values.copy()  # (arguments(), written out: this runs on every launch)
         for position, source in self.pointer_slots:
             args[position] = sources[source]
+        for position, template, slots in self.tuple_slots:
+            elements = template.copy()
+            for index, source in slots:
+                elements[index] = sources[source]
+            args[position] = tuple(elements)
         grid_x, grid_y, grid_z = self.grid
         if self.expansion is not None:
             self._launch_expanded(stream, sources, args)
@@ -293,6 +308,27 @@ class BoundLaunch:
         c_launch(grid_x, grid_y, grid_z, stream, *self.prefix, *final)
 
 
+def _tuple_template(value: tuple, source_of: Dict[int, int]) -> Tuple[list, Tuple[Tuple[int, int], ...]]:
+    """``(elements, slots)`` of a tuple argument: its elements with each tensor's place left for its address, and
+    ``(index, source)`` of each such place."""
+    elements, slots = list(value), []
+    for index, element in enumerate(value):
+        if isinstance(element, (tuple, TensorDescriptor)):
+            raise ValueError("a bound launch takes flat tuples of tensors, ints and None")
+        if isinstance(element, torch.Tensor):
+            slots.append((index, source_of[element.data_ptr()]))
+            elements[index] = 0
+    return elements, tuple(slots)
+
+
+def _tuple_at(template: list, slots: Tuple[Tuple[int, int], ...], sources: Sequence[int]) -> tuple:
+    """A tuple argument of :func:`_tuple_template` with the addresses of ``sources`` in its places."""
+    elements = template.copy()
+    for index, source in slots:
+        elements[index] = sources[source]
+    return tuple(elements)
+
+
 def bind_launches(specs: Sequence[LaunchSpec], compiled: Sequence[Any], sources: Sequence[int]
                   ) -> Optional[List[BoundLaunch]]:
     """:class:`BoundLaunch` of each spec, given the compiled kernels its JIT launch returned and the
@@ -309,7 +345,7 @@ def bind_launches(specs: Sequence[LaunchSpec], compiled: Sequence[Any], sources:
         return None
     try:
         return [BoundLaunch(spec, c, source_of) for spec, c in zip(specs, compiled)]
-    except KeyError:
+    except (KeyError, ValueError):
         return None
 
 

@@ -283,6 +283,24 @@ index = {name: i for i, name in enumerate(_moe_sorting_kernel.arg_names)}
 assert signature["num_zero_programs"] == "i32" and (index["num_zero_programs"],) not in attrs, attrs
 assert signature["num_parts"] == "i32" and "num_parts" not in constexprs, signature
 assert attrs[(index["num_entries"],)] == [["tt.divisibility", 16]], attrs
+
+# A bundle (a NamedTuple argument) is typed element by element, as the JIT's own specialiser types it: its
+# signature a tuple of the bundle's type, a None field and a stride of 1 constexprs by path, a tensor and an int
+# divisible by 16 with the hint by path.
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import native_specialize_impl
+from fmoe2.codegen import _tuple_signature
+from fmoe2.gemm.bundles import ExpertWeights
+
+w = torch.zeros(4, 64, 32, dtype=torch.bfloat16)
+bundle = ExpertWeights(w, None, None, None, *w.stride(), 48)
+jit_types, jit_attrs = native_specialize_impl(BaseBackend, bundle, False, True, True)
+i, attrs, constexprs = 3, {}, {}  # (the bundle as the kernel's fourth parameter)
+types = _tuple_signature(bundle, (i,), attrs, constexprs, "cuda")
+assert types == jit_types and type(types) is ExpertWeights, (types, jit_types)
+assert {k: v for k, v in constexprs.items() if isinstance(k, tuple)} == {(i, 1): None, (i, 2): None, (i, 3): None,
+                                                                          (i, 6): 1}, constexprs
+assert {k for k, v in attrs.items() if k[0] == i} == {(i, j) for j, a in enumerate(jit_attrs) if a == "D"}, attrs
 print("ok")
 """
 
@@ -290,7 +308,8 @@ print("ok")
 def test_signature_specialises_ints_like_the_jit():
     # Ints divisible by 16 get the divisibility hint and ints equal to 1 become constants, except
     # for parameters marked do_not_specialize (the sort's zeroing-program count and parts), which
-    # the JIT compiles once for every value: the report must compile what a GPU run compiles.
+    # the JIT compiles once for every value, and bundles are typed field by field: the report must
+    # compile what a GPU run compiles.
     proc = run_script(SIGNATURE_CHECK, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
 
@@ -455,7 +474,7 @@ for target, tuned_for, ms in (("sm_90", "NVIDIA_H200", (1, 64, 512, 4096)), ("sm
             specs = [fused_kernel_launch(problem, x, sorting, "swiglu_oai", cfg, named, workspace)]
             if workspace is not None:
                 specs.append(stage2_kernel_launch(problem, x, sorting, workspace, cfg, named))
-            assert specs[0].args["stride_w1_k"] == 2 * I and specs[0].args["w1_bias_ptr"] is not None
+            assert specs[0].args["w1"].stride_k == 2 * I and specs[0].args["w1"].bias_ptr is not None
             if workspace is not None:
                 assert specs[1].args["stride_b_k"] == H and specs[1].args["bias_ptr"] is not None
             for spec in specs:

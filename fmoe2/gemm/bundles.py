@@ -5,15 +5,25 @@ helpers took them: the sm_90 and gfx942 code of every launch the code-generation
 but one compare with its operands swapped on gfx942) and the interpreter runs as Python tuples. Fields that are None
 (no bias, 16-bit weights without scales, no descriptor) stay compile-time None, so ``if w.bias_ptr is not None``
 still compiles the branch out. Constexprs stay separate parameters (a constexpr in a bundle passed to a helper is a
-runtime value to it)."""
+runtime value to it).
+
+Some are kernel arguments too (the launches build them: ``launches.py``, ``fp8_weights.py``, the sort's x
+quantization): :class:`ExpertWeights` (without its descriptor), :class:`Fp8Weights`, :class:`AdapterWeights` (and the
+sort's ``XQuantization``). Triton's JIT types a tuple argument element by element, as it types loose ones (a stride
+of 1 and a None field become constexprs, ints divisible by 16 get the hint), so the compiled code is that of the
+loose arguments. Tensor descriptors stay parameters of their own: Triton's launchers unpack descriptors only at
+the top level of the argument list.
+"""
 from typing import Any, NamedTuple
 
 
 class ExpertWeights(NamedTuple):
     """One weight operand of the expert GEMMs, ``[E, N(_pad), K(_pad)]``: N the GEMM's output columns (2I for
-    gate/up, H for down), K its reduction (H for gate/up, I for down)."""
+    gate/up, H for down), K its reduction (H for gate/up, I for down). As a kernel argument its ``desc`` is None:
+    the entry builds the bundle again with its descriptor parameter, ``ExpertWeights(w.ptr, desc, *w[2:])``, in
+    its own body (a jit function that returns a bundle with a None field fails to compile on Triton 3.6)."""
 
-    ptr: Any  # the weights: 16-bit, fp8, or the packed bytes of weight-only quantized ones
+    ptr: Any  # the weights: 16-bit, or the packed bytes of weight-only quantized ones
     desc: Any  # None, or a tensor descriptor of the weights viewed [E * N_pad, K_pad]
     scale_ptr: Any  # None (16-bit), or the weight-only formats' group scales, laid out like the packed rows
     bias_ptr: Any  # None, or the bias [E, N(_pad)]
@@ -86,6 +96,16 @@ class DownDeltas(NamedTuple):
     stride_b2t_r: Any
 
 
+class AdapterWeights(NamedTuple):
+    """A stacked LoRA operand ``[L, E, R, columns]`` as a kernel argument (``launches.py``): A13, B13t, A2 or B2t
+    of ``fmoe2.gemm.lora.PreparedMoELoRA``."""
+
+    ptr: Any
+    stride_l: Any  # adapter
+    stride_e: Any  # expert
+    stride_r: Any  # row
+
+
 class AdapterRows(NamedTuple):
     """One expert's rows of a stacked LoRA operand ``[L, E, R, columns]`` (``fused_lora.py``)."""
 
@@ -102,3 +122,4 @@ class TileAdapters(NamedTuple):
     slot_of: Any  # [LORA_IDS] each adapter's slot
     num_present: Any
     row_scale: Any  # [BLOCK_M] each row's scaling (0 without an adapter)
+

@@ -167,16 +167,14 @@ def _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert
 def _fused_fp8_kernel(
     x_q_ptr,  # [M, H] fp8 x, quantized by the sort launch
     x_scale_ptr,  # [M, cdiv(H, BLOCK_K)] float32 scales of x_q
-    w1_ptr, w2_ptr,  # fp8, as the 16-bit ones (pointer loads only)
-    w1_scale_ptr,  # [E, Sn, Sk] float32 scales of w1 in the checkpoint's row order (fmoe2/fp8.py)
-    w2_scale_ptr,  # [E, Sn, Sk] float32 scales of w2
-    w1_bias_ptr, w2_bias_ptr, out_ptr,
+    # Fp8Weights: fp8 weights as the 16-bit ones (pointer loads only), their [E, Sn, Sk] float32 scales in the
+    # checkpoint's row order (fmoe2/fp8.py; stride 0 along a dimension of size 1), their biases
+    w1, w2,
+    out_ptr,
     final_out_ptr, topk_ids_ptr, expert_map_ptr,  # None, or as _fused_cast_kernel's (fused_moe_kernel.py)
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
     num_tokens, H, I, num_grid_tiles, num_global_experts,
-    stride_xq_m, stride_xs_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i,
-    stride_s1_e, stride_s1_n, stride_s1_k, stride_s2_e, stride_s2_n, stride_s2_k,  # (0 along a dimension of size 1)
-    stride_b1_e, stride_b2_e, stride_out_m, stride_final_m,
+    stride_xq_m, stride_xs_m, stride_out_m, stride_final_m,
     DTYPE: tl.constexpr,  # x's dtype: y is rounded to it before its quantization, as the 16-bit forward rounds y
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -199,8 +197,6 @@ def _fused_fp8_kernel(
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN=1)
     if expert < 0:
         return
-    w1 = Fp8Weights(w1_ptr, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e,
-                    stride_s1_n, stride_s1_k, stride_b1_e)
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert, token,
                                            row_valid, route_weight, slice_id, H, I, DTYPE, ACTIVATION, SWIGLU_ALPHA,
                                            SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -208,13 +204,13 @@ def _fused_fp8_kernel(
     expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
                                    I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     b2_expert = None
-    if w2_bias_ptr is not None:
-        b2_expert = w2_bias_ptr + expert * stride_b2_e
-    _down_fp8(y, out_ptr + token[:, None] * stride_out_m, row_valid, w2_ptr + expert * stride_w2_e, stride_w2_h,
-              stride_w2_i, offs_n, n_valid, H, slice_id * BLOCK_N, b2_expert,
+    if w2.bias_ptr is not None:
+        b2_expert = w2.bias_ptr + expert * w2.stride_bias_e
+    _down_fp8(y, out_ptr + token[:, None] * stride_out_m, row_valid, w2.ptr + expert * w2.stride_e, w2.stride_n,
+              w2.stride_k, offs_n, n_valid, H, slice_id * BLOCK_N, b2_expert,
               tl.where(slice_id == 0, route_weight, 0.0),
-              w2_scale_ptr + expert * stride_s2_e, stride_s2_n, stride_s2_k, BLOCK_H, FP8_MAX, SOFT_FP8_ROUNDING,
-              FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
+              w2.scale_ptr + expert * w2.stride_scale_e, w2.stride_scale_n, w2.stride_scale_k, BLOCK_H, FP8_MAX,
+              SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP, SCALE_BLOCK_N, SCALE_BLOCK_K)
     if final_out_ptr is not None:
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
                               stride_final_m, BLOCK_M, BLOCK_H, RESET=False)
@@ -222,14 +218,13 @@ def _fused_fp8_kernel(
 
 @triton.jit
 def _stage1_fp8_kernel(
-    x_q_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w1_bias_ptr,  # as _fused_fp8_kernel's
+    x_q_ptr, x_scale_ptr, w1,  # as _fused_fp8_kernel's
     y_ptr,  # [num_grid_tiles * BLOCK_M, I]: in DTYPE, or fp8 where y_scale_ptr is given
     y_scale_ptr,  # None, or [num_grid_tiles * BLOCK_M, cdiv(I, BLOCK_N)] float32 scales of the fp8 y (BLOCK_N is
     # then one activation group)
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
     num_tokens, H, I, num_grid_tiles,
-    stride_xq_m, stride_xs_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e, stride_s1_n, stride_s1_k,
-    stride_b1_e, stride_y_m, stride_ys_m,
+    stride_xq_m, stride_xs_m, stride_y_m, stride_ys_m,
     DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr, IDS_PER_TOKEN: tl.constexpr,
@@ -242,8 +237,6 @@ def _stage1_fp8_kernel(
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
-    w1 = Fp8Weights(w1_ptr, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k, stride_s1_e,
-                    stride_s1_n, stride_s1_k, stride_b1_e)
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert, token,
                                            row_valid, route_weight, slice_id, H, I, DTYPE, ACTIVATION, SWIGLU_ALPHA,
                                            SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -312,15 +305,18 @@ def _constants(problem, target: Target) -> dict:
 
 
 def fused_values(problem, target: Target, quantized_x: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> dict:
-    """The values the fused and stage-1 entries take beyond the 16-bit path's: the scales and their strides, x
+    """The values the fused and stage-1 entries take beyond the 16-bit path's: the weights with their scales (as
+    :class:`~.bundles.Fp8Weights`, in place of the 16-bit path's ``w1`` and ``w2``), x
     quantized by the sort launch (``quantized_x``: ``(x_q, x_scale)``), the input dtype and the fp8 constants."""
     x_q, x_scale = quantized_x
-    values = dict(_constants(problem, target), w1_scale_ptr=problem.w1_scale, w2_scale_ptr=problem.w2_scale,
-                  x_q_ptr=x_q, x_scale_ptr=x_scale, stride_xq_m=x_q.stride(0), stride_xs_m=x_scale.stride(0),
-                  DTYPE=_TL_DTYPES[problem.x.dtype])
-    for name, scale in (("s1", problem.w1_scale), ("s2", problem.w2_scale)):
-        values.update({f"stride_{name}_{d}": st for d, st in zip("enk", scale_strides(scale))})
-    return values
+    return dict(_constants(problem, target), w1=_weights(problem.w1, problem.w1_scale, problem.w1_bias),
+                w2=_weights(problem.w2, problem.w2_scale, problem.w2_bias), x_q_ptr=x_q, x_scale_ptr=x_scale,
+                stride_xq_m=x_q.stride(0), stride_xs_m=x_scale.stride(0), DTYPE=_TL_DTYPES[problem.x.dtype])
+
+
+def _weights(w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> Fp8Weights:
+    """fp8 weights ``[E, N, K]`` with their scales and bias as the fused and stage-1 entries take them."""
+    return Fp8Weights(w, scale, bias, *w.stride(), *scale_strides(scale), bias.stride(0) if bias is not None else None)
 
 
 def stage2_values(problem, target: Target, workspace) -> dict:

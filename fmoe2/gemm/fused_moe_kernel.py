@@ -183,8 +183,11 @@ def _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid
 
 @triton.jit
 def _fused_kernel(
-    x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr,  # (see _intermediate_16bit, _down_slice_16bit)
-    w1_scale_ptr, w2_scale_ptr,  # None, or the group scales of prepared 4-bit weights (fmoe2/quant4.py)
+    x_ptr,
+    # ExpertWeights without their descriptors (see _intermediate_16bit, _down_slice_16bit): their scale_ptr None, or
+    # the group scales of prepared 4-bit weights (fmoe2/quant4.py)
+    w1, w2,
+    w13_desc, w2_desc,  # None, or tensor descriptors of w1 and w2
     out_ptr,  # [M, H], zeroed by the sort launch, receives atomic adds
     sorted_token_ids_ptr,  # [max_num_tiles * BLOCK_M] int32, padding = M
     sorted_weights_ptr,  # [max_num_tiles * BLOCK_M] fp32, padding = 0
@@ -192,8 +195,7 @@ def _fused_kernel(
     num_sorted_tiles_ptr,  # [1] int32, tiles in use
     num_tokens, H, I,  # M, hidden and intermediate sizes (logical)
     num_grid_tiles,  # tiles the grid was sized for (>= any num_sorted_tiles)
-    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e,
-    stride_b2_e, stride_out_m,
+    stride_x_m, stride_out_m,
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
@@ -204,13 +206,12 @@ def _fused_kernel(
         tl.program_id(0), sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN=1)
     if expert >= 0:
-        w1 = ExpertWeights(w1_ptr, w13_desc, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k,
-                           stride_b1_e)
-        w2 = ExpertWeights(w2_ptr, w2_desc, w2_scale_ptr, w2_bias_ptr, stride_w2_e, stride_w2_h, stride_w2_i,
-                           stride_b2_e)
-        _fused_tile_16bit(x_ptr, stride_x_m, w1, w2, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token,
-                          row_valid, route_weight, H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED,
-                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, WEIGHT_GROUP)
+        # (the descriptors into the bundles, built here: a jit function returning a None field fails on Triton 3.6)
+        _fused_tile_16bit(x_ptr, stride_x_m, ExpertWeights(w1.ptr, w13_desc, *w1[2:]),
+                          ExpertWeights(w2.ptr, w2_desc, *w2[2:]),
+                          out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid, route_weight, H,
+                          I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
+                          BLOCK_H, WEIGHT_GROUP)
 
 
 @triton.jit
@@ -229,7 +230,7 @@ def _fused_tile_16bit(x_ptr, stride_x_m, w1, w2, out_rows, expert, slice_id, tok
 
 @triton.jit
 def _fused_cast_kernel(
-    x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr, w2_scale_ptr,
+    x_ptr, w1, w2, w13_desc, w2_desc,  # as _fused_kernel's
     out_ptr,  # the float32 accumulator [M, H] followed by M int32 add counters, zero (the sort's, or a kept one)
     final_out_ptr,  # [M, H] in x's dtype: each row cast there by the program that adds into it last
     topk_ids_ptr,  # [M * TOPK] int32/int64: each row's expected adds are its kept slots times the slices
@@ -237,8 +238,7 @@ def _fused_cast_kernel(
     expert_map_ptr,  # None or [num_global_experts] int32
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,  # None for the decode
     num_tokens, H, I, num_grid_tiles, num_global_experts,
-    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e,
-    stride_b2_e, stride_out_m, stride_final_m,
+    stride_x_m, stride_out_m, stride_final_m,
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
@@ -259,13 +259,12 @@ def _fused_cast_kernel(
     if expert >= 0:
         expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid,
                                        num_global_experts, I, BLOCK_N, TOPK, NUM_EXPERTS)
-        w1 = ExpertWeights(w1_ptr, w13_desc, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k,
-                           stride_b1_e)
-        w2 = ExpertWeights(w2_ptr, w2_desc, w2_scale_ptr, w2_bias_ptr, stride_w2_e, stride_w2_h, stride_w2_i,
-                           stride_b2_e)
-        _fused_tile_16bit(x_ptr, stride_x_m, w1, w2, out_ptr + token[:, None] * stride_out_m, expert, slice_id, token,
-                          row_valid, route_weight, H, I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED,
-                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_H, WEIGHT_GROUP)
+        # (the descriptors into the bundles, built here: a jit function returning a None field fails on Triton 3.6)
+        _fused_tile_16bit(x_ptr, stride_x_m, ExpertWeights(w1.ptr, w13_desc, *w1[2:]),
+                          ExpertWeights(w2.ptr, w2_desc, *w2[2:]),
+                          out_ptr + token[:, None] * stride_out_m, expert, slice_id, token, row_valid, route_weight, H,
+                          I, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
+                          BLOCK_H, WEIGHT_GROUP)
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
                               stride_final_m, BLOCK_M, BLOCK_H, sorted_token_ids_ptr is None)
 
@@ -276,21 +275,19 @@ def _fused_cast_kernel(
 
 @triton.jit
 def _fused_lora_kernel(
-    x_ptr, w1_ptr, w2_ptr, w13_desc, w2_desc, w1_bias_ptr, w2_bias_ptr, w1_scale_ptr, w2_scale_ptr, out_ptr,
+    x_ptr, w1, w2, w13_desc, w2_desc, out_ptr,  # as _fused_kernel's
     final_out_ptr, topk_ids_ptr, expert_map_ptr,  # None, or as _fused_cast_kernel's (the kernel casts out_ptr)
     token_lora_ids_ptr,  # [M] int32 adapter per token, -1 = none
-    lora_a13_ptr,  # [L, E, 2*LORA_RANK, H_pad]: gate A rows then up A rows
-    lora_b13_ptr,  # [L, E, 2*LORA_RANK, I_pad]: gate B^T rows then up B^T rows
-    lora_a2_ptr,  # [L, E, LORA_RANK, I_pad]
-    lora_b2_ptr,  # [L, E, LORA_RANK, H_pad]: down B^T
+    # The adapters' operands (AdapterWeights):
+    lora_a13,  # [L, E, 2*LORA_RANK, H_pad]: gate A rows then up A rows
+    lora_b13,  # [L, E, 2*LORA_RANK, I_pad]: gate B^T rows then up B^T rows
+    lora_a2,  # [L, E, LORA_RANK, I_pad]
+    lora_b2,  # [L, E, LORA_RANK, H_pad]: down B^T
     lora_scaling_ptr,  # [L] float32
     num_lora_tokens_ptr,  # [1] int32: tokens with an adapter, counted by the sort
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
     num_tokens, H, I, num_grid_tiles, num_loras, num_global_experts,
-    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_w2_e, stride_w2_h, stride_w2_i, stride_b1_e,
-    stride_b2_e, stride_out_m, stride_final_m,
-    stride_la13_l, stride_la13_e, stride_la13_r, stride_lb13_l, stride_lb13_e, stride_lb13_r,
-    stride_la2_l, stride_la2_e, stride_la2_r, stride_lb2_l, stride_lb2_e, stride_lb2_r,
+    stride_x_m, stride_out_m, stride_final_m,
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
@@ -318,52 +315,50 @@ def _fused_lora_kernel(
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
-        x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
+        x_ptr, w1.ptr, expert, token, slice_id, I, stride_x_m, w1.stride_e, w1.stride_n, BLOCK_N)
     row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
         token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
         (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
     adapters = TileAdapters(row_slot, present, slot_of, num_present, row_scale)
     s1_expert, stride_s1_n = None, 0
-    if w1_scale_ptr is not None:
-        s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
-    w1_operand = ExpertOperand(w1_expert, stride_w1_n, stride_w1_k, w13_desc, w13_row0, s1_expert, stride_s1_n)
+    if w1.scale_ptr is not None:
+        s1_expert, stride_s1_n = _expert_scales(w1.ptr, w1.scale_ptr, expert, w1.stride_e, w1.stride_n, WEIGHT_GROUP)
+    w1_operand = ExpertOperand(w1_expert, w1.stride_n, w1.stride_k, w13_desc, w13_row0, s1_expert, stride_s1_n)
     if num_present == 0:  # run-time branch: tiles without adapters run the plain loops
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, offs_n,
                                      n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
                                      STAGES=None, WEIGHT_GROUP=WEIGHT_GROUP)
         la2 = tl.zeros([STACK, BLOCK_N], x_ptr.dtype.element_ty)  # (a value leaves a run-time if from both sides)
     else:
-        gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H,
-                                      AdapterRows(lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r),
-                                      AdapterRows(lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r),
-                                      AdapterRows(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r),
-                                      adapters, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, LORA_RANK,
+        a13 = AdapterRows(lora_a13.ptr + expert * lora_a13.stride_e, lora_a13.stride_l, lora_a13.stride_r)
+        b13 = AdapterRows(lora_b13.ptr + expert * lora_b13.stride_e, lora_b13.stride_l, lora_b13.stride_r)
+        a2 = AdapterRows(lora_a2.ptr + expert * lora_a2.stride_e, lora_a2.stride_l, lora_a2.stride_r)
+        gate, up, la2 = _lora_gate_up(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, a13, b13,
+                                      a2, adapters, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, LORA_RANK,
                                       LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
-    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
+    y = _activated(gate, up, w1.bias_ptr, expert, w1.stride_bias_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
                                    I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     out_rows = out_ptr + token[:, None] * stride_out_m
     if num_present == 0:
-        w2 = ExpertWeights(w2_ptr, w2_desc, w2_scale_ptr, w2_bias_ptr, stride_w2_e, stride_w2_h, stride_w2_i,
-                           stride_b2_e)
-        _down_slice_16bit(y, out_rows, row_valid, w2, expert, route_weight, slice_id, offs_n, n_valid, H, BLOCK_M,
-                          BLOCK_N, BLOCK_H, WEIGHT_GROUP)
+        _down_slice_16bit(y, out_rows, row_valid, ExpertWeights(w2.ptr, w2_desc, *w2[2:]), expert, route_weight,
+                          slice_id, offs_n, n_valid, H, BLOCK_M, BLOCK_N, BLOCK_H, WEIGHT_GROUP)
     else:
         b2_expert = None
-        if w2_bias_ptr is not None:
-            b2_expert = w2_bias_ptr + expert * stride_b2_e
+        if w2.bias_ptr is not None:
+            b2_expert = w2.bias_ptr + expert * w2.stride_bias_e
         s2_expert, stride_s2_n = None, 0
-        if w2_scale_ptr is not None:
-            s2_expert, stride_s2_n = _expert_scales(w2_ptr, w2_scale_ptr, expert, stride_w2_e, stride_w2_h,
+        if w2.scale_ptr is not None:
+            s2_expert, stride_s2_n = _expert_scales(w2.ptr, w2.scale_ptr, expert, w2.stride_e, w2.stride_n,
                                                     WEIGHT_GROUP)
-        w2_operand = ExpertOperand(w2_ptr + expert * stride_w2_e, stride_w2_h, stride_w2_i, w2_desc,
-                                   (expert * (stride_w2_e // stride_w2_h)).to(tl.int32), s2_expert, stride_s2_n)
+        w2_operand = ExpertOperand(w2.ptr + expert * w2.stride_e, w2.stride_n, w2.stride_k, w2_desc,
+                                   (expert * (w2.stride_e // w2.stride_n)).to(tl.int32), s2_expert, stride_s2_n)
+        a2 = AdapterRows(lora_a2.ptr + expert * lora_a2.stride_e, lora_a2.stride_l, lora_a2.stride_r)
+        b2t = AdapterRows(lora_b2.ptr + expert * lora_b2.stride_e, lora_b2.stride_l, lora_b2.stride_r)
         _lora_down(y, la2, out_rows, row_valid, w2_operand, offs_n, n_valid, H, slice_id * BLOCK_N, b2_expert,
-                   tl.where(slice_id == 0, route_weight, 0.0),
-                   AdapterRows(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r),
-                   AdapterRows(lora_b2_ptr + expert * stride_lb2_e, stride_lb2_l, stride_lb2_r), adapters, BLOCK_M,
-                   BLOCK_N, BLOCK_H, LORA_RANK, LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
+                   tl.where(slice_id == 0, route_weight, 0.0), a2, b2t, adapters, BLOCK_M, BLOCK_N, BLOCK_H, LORA_RANK,
+                   LORA_IDS, LORA_SLOTS, LORA_STAGES, WEIGHT_GROUP)
     if final_out_ptr is not None:
         _cast_rows_last_added(out_ptr, final_out_ptr, token, row_valid, expected_adds, num_tokens, H, stride_out_m,
                               stride_final_m, BLOCK_M, BLOCK_H, RESET=False)
@@ -375,12 +370,11 @@ def _fused_lora_kernel(
 
 @triton.jit
 def _stage1_kernel(
-    x_ptr, w1_ptr, w13_desc, w1_bias_ptr,
-    w1_scale_ptr,  # None, or the group scales of prepared 4-bit weights (fmoe2/quant4.py)
+    x_ptr, w1, w13_desc,  # as _fused_kernel's
     y_ptr,  # [num_grid_tiles * BLOCK_M, I]: activated, weighted intermediate in sorted row order
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
     num_tokens, H, I, num_grid_tiles,
-    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, stride_y_m,
+    stride_x_m, stride_y_m,
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr,
@@ -398,7 +392,7 @@ def _stage1_kernel(
         num_tokens, I, num_grid_tiles, BLOCK_M, BLOCK_N, GROUP_M, IDS_PER_TOKEN)
     if expert < 0:
         return
-    w1 = ExpertWeights(w1_ptr, w13_desc, w1_scale_ptr, w1_bias_ptr, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e)
+    w1 = ExpertWeights(w1.ptr, w13_desc, *w1[2:])
     if TAIL_M > 0 and _fits_tail(row_valid, TAIL_M):
         tile, _ = _grouped_program(tl.program_id(0), num_grid_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
         tail_m, tail_token, tail_valid, tail_weight = _sorted_rows(tile * BLOCK_M, sorted_token_ids_ptr,
@@ -429,8 +423,8 @@ def _stage1_rows(x_ptr, stride_x_m, w1, y_ptr, stride_y_m, expert, slice_id, off
 
 @triton.jit
 def _stage1_lora_kernel(
-    x_ptr, w1_ptr, w13_desc, w1_bias_ptr, w1_scale_ptr, y_ptr,
-    token_lora_ids_ptr, lora_a13_ptr, lora_b13_ptr, lora_a2_ptr, lora_scaling_ptr,  # as _fused_lora_kernel's
+    x_ptr, w1, w13_desc, y_ptr,
+    token_lora_ids_ptr, lora_a13, lora_b13, lora_a2, lora_scaling_ptr,  # as _fused_lora_kernel's
     num_lora_tokens_ptr,
     # Either the gate/up deltas _lora_expand_kernel wrote, [num_grid_tiles * BLOCK_M, >= 2*I] (gate then up per
     # sorted row; the adapter operands above are then None), or None: the deltas are computed here and each slice's
@@ -438,10 +432,7 @@ def _stage1_lora_kernel(
     lora_delta13_ptr, lora_shrink2_ptr,
     sorted_token_ids_ptr, sorted_weights_ptr, sorted_expert_ids_ptr, num_sorted_tiles_ptr,
     num_tokens, H, I, num_grid_tiles, num_loras,
-    stride_x_m, stride_w1_e, stride_w1_n, stride_w1_k, stride_b1_e, stride_y_m,
-    stride_delta13_m,
-    stride_shrink2_split, stride_la13_l, stride_la13_e, stride_la13_r, stride_lb13_l, stride_lb13_e, stride_lb13_r,
-    stride_la2_l, stride_la2_e, stride_la2_r,
+    stride_x_m, stride_y_m, stride_delta13_m, stride_shrink2_split,
     ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr, IDS_PER_TOKEN: tl.constexpr,
@@ -461,11 +452,11 @@ def _stage1_lora_kernel(
     if expert < 0:
         return
     offs_n, n_valid, offs_r, r_valid, x_rows, w1_expert, w13_row0 = _gate_up_operands(
-        x_ptr, w1_ptr, expert, token, slice_id, I, stride_x_m, stride_w1_e, stride_w1_n, BLOCK_N)
+        x_ptr, w1.ptr, expert, token, slice_id, I, stride_x_m, w1.stride_e, w1.stride_n, BLOCK_N)
     s1_expert, stride_s1_n = None, 0
-    if w1_scale_ptr is not None:
-        s1_expert, stride_s1_n = _expert_scales(w1_ptr, w1_scale_ptr, expert, stride_w1_e, stride_w1_n, WEIGHT_GROUP)
-    w1_operand = ExpertOperand(w1_expert, stride_w1_n, stride_w1_k, w13_desc, w13_row0, s1_expert, stride_s1_n)
+    if w1.scale_ptr is not None:
+        s1_expert, stride_s1_n = _expert_scales(w1.ptr, w1.scale_ptr, expert, w1.stride_e, w1.stride_n, WEIGHT_GROUP)
+    w1_operand = ExpertOperand(w1_expert, w1.stride_n, w1.stride_k, w13_desc, w13_row0, s1_expert, stride_s1_n)
     if lora_delta13_ptr is not None:
         gate, up, _ = _gate_up_16bit(x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H, offs_n,
                                      n_valid, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, WITH_LORA=False, STACK=16,
@@ -479,7 +470,7 @@ def _stage1_lora_kernel(
             gate += tl.load(delta_rows + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
             up += tl.load(delta_rows + I + offs_n[None, :], mask=has, other=0.0).to(tl.float32)
     else:
-        a2 = AdapterRows(lora_a2_ptr + expert * stride_la2_e, stride_la2_l, stride_la2_r)
+        a2 = AdapterRows(lora_a2.ptr + expert * lora_a2.stride_e, lora_a2.stride_l, lora_a2.stride_r)
         row_lora, row_slot, present, slot_of, num_present, row_scale = _lora_tile(
             token_lora_ids_ptr, lora_scaling_ptr, token, row_valid, num_loras, batch_has_lora, LORA_IDS,
             (LORA_SLOTS == 1) and (LORA_RANK * BLOCK_N <= 2048))
@@ -492,11 +483,11 @@ def _stage1_lora_kernel(
         else:
             gate, up, la2 = _lora_gate_up(
                 x_rows, row_valid, w1_operand, offs_n, n_valid, offs_r, r_valid, I, H,
-                AdapterRows(lora_a13_ptr + expert * stride_la13_e, stride_la13_l, stride_la13_r),
-                AdapterRows(lora_b13_ptr + expert * stride_lb13_e, stride_lb13_l, stride_lb13_r),
+                AdapterRows(lora_a13.ptr + expert * lora_a13.stride_e, lora_a13.stride_l, lora_a13.stride_r),
+                AdapterRows(lora_b13.ptr + expert * lora_b13.stride_e, lora_b13.stride_l, lora_b13.stride_r),
                 a2, adapters, BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, LORA_RANK, LORA_IDS, LORA_SLOTS,
                 LORA_STAGES, WEIGHT_GROUP)
-    y = _activated(gate, up, w1_bias_ptr, expert, stride_b1_e, route_weight, offs_n, n_valid, I, w13_desc,
+    y = _activated(gate, up, w1.bias_ptr, expert, w1.stride_bias_e, route_weight, offs_n, n_valid, I, w13_desc,
                    x_ptr.dtype.element_ty, ACTIVATION, SWIGLU_ALPHA, SWIGLU_LIMIT, GATE_UP_INTERLEAVED)
     _store_y(y, y_ptr + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :], n_valid, y_scale_rows=None,
              slice_id=slice_id)

@@ -30,6 +30,7 @@ from ..target import Target
 from .combine_kernel import _cast_rows_kernel, _combine_slots_kernel
 from .config import BACKENDS, LORA_STACK_WIDTH, FusedMoEConfig, lora_in_stages
 from . import fp8_weights
+from .bundles import AdapterWeights, ExpertWeights
 from .fused_moe_kernel import _fused_cast_kernel, _fused_kernel, _fused_lora_kernel, _stage1_kernel, _stage1_lora_kernel
 from .grouped_gemm_kernel import _stage2_kernel
 from .lora import PreparedMoELoRA
@@ -303,20 +304,22 @@ def lora_shrink_splits(num_grid_tiles: int, K: int, target: Target) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _lora_args(problem: MoEProblem) -> dict:
-    """The fused kernel's LoRA arguments (None without adapters)."""
+    """The fused kernel's LoRA arguments (None without adapters): the operands as
+    :class:`~.bundles.AdapterWeights`."""
     lora = problem.lora
-    names = (("lora_a13_ptr", "la13"), ("lora_b13_ptr", "lb13"), ("lora_a2_ptr", "la2"), ("lora_b2_ptr", "lb2"))
+    names = ("lora_a13", "lora_b13", "lora_a2", "lora_b2")
     if lora is None:
-        args = dict(token_lora_ids_ptr=None, lora_scaling_ptr=None, num_loras=None)
-        for ptr_name, prefix in names:
-            args.update({ptr_name: None, f"stride_{prefix}_l": None, f"stride_{prefix}_e": None,
-                         f"stride_{prefix}_r": None})
-        return args
+        return dict(token_lora_ids_ptr=None, lora_scaling_ptr=None, num_loras=None, **dict.fromkeys(names))
     args = dict(token_lora_ids_ptr=problem.token_lora_ids, lora_scaling_ptr=lora.scaling, num_loras=lora.num_loras)
-    for (ptr_name, prefix), t in zip(names, (lora.a13, lora.b13, lora.a2, lora.b2)):
-        s_l, s_e, s_r = t.stride()[:3]  # (adapter, expert, row)
-        args.update({ptr_name: t, f"stride_{prefix}_l": s_l, f"stride_{prefix}_e": s_e, f"stride_{prefix}_r": s_r})
+    for name, t in zip(names, (lora.a13, lora.b13, lora.a2, lora.b2)):
+        args[name] = AdapterWeights(t, *t.stride()[:3])  # (adapter, expert, row)
     return args
+
+
+def _expert_weights(w: torch.Tensor, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> ExpertWeights:
+    """Weights ``[E, N, K]`` (16-bit or packed), their group scales and bias as the 16-bit entries take them: an
+    :class:`~.bundles.ExpertWeights` without its descriptor (a parameter of its own)."""
+    return ExpertWeights(w, None, scale, bias, *w.stride(), bias.stride(0) if bias is not None else None)
 
 
 # Entry kernel of each launch of the fused-kernel family with 16-bit weights: (decode, fused, stage 1) x (without,
@@ -362,8 +365,11 @@ def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoES
     shrink2 = workspace.lora_shrink2 if workspace is not None and delta13 is None else None
     y_scale = workspace.y_scale if workspace is not None else None
     tma = tma_enabled(config, problem, target)
+    w1_scale, w2_scale = (problem.w1_scale, problem.w2_scale) if problem.packed else (None, None)
     values = dict(
-        x_ptr=problem.x, w1_ptr=problem.w1, w2_ptr=problem.w2, out_ptr=out, y_ptr=y,
+        x_ptr=problem.x, out_ptr=out, y_ptr=y,
+        w1=_expert_weights(problem.w1, w1_scale, problem.w1_bias),
+        w2=_expert_weights(problem.w2, w2_scale, problem.w2_bias),
         w13_desc=_descriptor(problem.w1, (2 * config.BLOCK_N, config.BLOCK_K)) if tma else None,
         w2_desc=_descriptor(problem.w2, (config.BLOCK_H, config.BLOCK_N)) if tma else None,
         sorted_token_ids_ptr=sorting.sorted_token_ids if sorting is not None else None,
@@ -371,13 +377,8 @@ def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoES
         sorted_expert_ids_ptr=sorting.sorted_expert_ids if sorting is not None else None,
         num_sorted_tiles_ptr=sorting.num_sorted_tiles if sorting is not None else None,
         num_tokens=problem.num_tokens, H=problem.hidden_size, I=problem.intermediate_size,
-        stride_x_m=problem.x.stride(0), stride_w1_e=problem.w1.stride(0), stride_w1_n=problem.w1.stride(1),
-        stride_w1_k=problem.w1.stride(2), stride_w2_e=problem.w2.stride(0), stride_w2_h=problem.w2.stride(1),
-        stride_w2_i=problem.w2.stride(2), stride_out_m=out.stride(0),
-        w1_bias_ptr=problem.w1_bias, w2_bias_ptr=problem.w2_bias,
-        **_packed_scale_values(problem),
-        stride_b1_e=problem.w1_bias.stride(0) if problem.w1_bias is not None else None,
-        stride_b2_e=problem.w2_bias.stride(0) if problem.w2_bias is not None else None,
+        stride_x_m=problem.x.stride(0), stride_out_m=out.stride(0),
+        WEIGHT_GROUP=problem.scale_block[1] if problem.packed else 1,
         stride_y_m=y.stride(0) if y is not None else None,
         y_scale_ptr=y_scale, stride_ys_m=y_scale.stride(0) if y_scale is not None else None,
         **_lora_args(problem),
@@ -395,17 +396,8 @@ def _fused_values(problem: MoEProblem, out: torch.Tensor, sorting: Optional[MoES
         **problem_lora_constexprs(problem),
     )
     if delta13 is not None:  # the adapters' deltas come ready: stage 1 reads none of their operands
-        values.update({name: None for name in ("lora_a13_ptr", "lora_b13_ptr", "lora_a2_ptr", "lora_scaling_ptr")})
+        values.update({name: None for name in ("lora_a13", "lora_b13", "lora_a2", "lora_scaling_ptr")})
     return values
-
-
-def _packed_scale_values(problem: MoEProblem) -> dict:
-    """The group scales of prepared 4-bit weights as the 16-bit entries take them (None without: 16-bit weights;
-    fp8's module gives its own), and their group (WEIGHT_GROUP). The kernels derive the scales' strides from the
-    packed weights' (``fused_moe_kernel._expert_scales``)."""
-    if not problem.packed:
-        return dict(w1_scale_ptr=None, w2_scale_ptr=None, WEIGHT_GROUP=1)
-    return dict(w1_scale_ptr=problem.w1_scale, w2_scale_ptr=problem.w2_scale, WEIGHT_GROUP=problem.scale_block[1])
 
 
 def fused_kernel_launch(problem: MoEProblem, out: torch.Tensor, sorting: MoESortingResult, activation: str,

@@ -63,7 +63,7 @@ docs/sorting.md#the-sort-in-one-or-two-launches).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -342,12 +342,26 @@ def _scatter_chunk(topk_ids_ptr, topk_weights_ptr, expert_map_ptr, token_lora_id
     tl.store(sorted_weights_ptr + dest, weight, mask=kept)
 
 
+class XQuantization(NamedTuple):
+    """The x an fp8 forward's sort launch quantizes (a kernel argument: ``fmoe2/gemm/bundles.py`` says how Triton
+    takes it): ``x [M, H]`` into fp8 ``x_q`` with float32 scales per row and ``X_GROUP`` columns."""
+
+    x_ptr: Any  # [M, H]
+    x_q_ptr: Any  # [M, H] fp8
+    x_scale_ptr: Any  # [M, cdiv(H, X_GROUP)] float32
+    cols: Any  # H
+    stride_x_m: Any
+    stride_xq_m: Any
+
+
 @triton.jit
-def _quantize_x_rows(x_ptr, x_q_ptr, x_scale_ptr, num_x_rows, x_cols, stride_x_m, stride_xq_m, quant_pid,
-                     num_quant_programs, X_ROWS: tl.constexpr, X_GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
-                     SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr):
+def _quantize_x_rows(xq, num_x_rows, quant_pid, num_quant_programs, X_ROWS: tl.constexpr, X_GROUP: tl.constexpr,
+                     FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
+                     FP8_SUBNORMAL_STEP: tl.constexpr):
     """One quantizing program: ``X_ROWS`` x ``X_GROUP`` tiles of x in turn, each row's group quantized
-    (``fmoe2/fp8.py``) into ``x_q`` and its scale into ``x_scale [rows, cdiv(x_cols, X_GROUP)]``."""
+    (``fmoe2/fp8.py``) into ``xq.x_q_ptr`` and its scale into ``xq.x_scale_ptr [rows, cdiv(xq.cols, X_GROUP)]``
+    (``xq``: an :class:`XQuantization`)."""
+    x_ptr, x_q_ptr, x_scale_ptr, x_cols, stride_x_m, stride_xq_m = xq
     groups = tl.cdiv(x_cols, X_GROUP)
     items = tl.cdiv(num_x_rows, X_ROWS) * groups
     for item in range(quant_pid, items, num_quant_programs):
@@ -506,12 +520,7 @@ def _moe_sorting_kernel(
     COUNT_ROWS: tl.constexpr = 1,  # CHUNKED: count table rows loaded at a time
     WAIT_FOR_COUNTS: tl.constexpr = False,  # CHUNKED: launched as a programmatic dependent of the count launch
     # fp8 forwards (QUANTIZE_X): the activations quantized once here, for the GEMMs to read (fmoe2/fp8.py)
-    x_ptr=None,  # [M, H] hidden_states
-    x_q_ptr=None,  # [M, H] fp8
-    x_scale_ptr=None,  # [M, cdiv(H, X_GROUP)] float32
-    x_cols=0,  # H
-    stride_x_m=0,
-    stride_xq_m=0,
+    x_quantization=None,  # an XQuantization
     num_quant_programs=0,  # programs after all others that quantize x
     QUANTIZE_X: tl.constexpr = False,
     X_ROWS: tl.constexpr = 16,
@@ -534,9 +543,8 @@ def _moe_sorting_kernel(
     if QUANTIZE_X:
         first_quant = num_sort_programs + num_zero_programs + COUNT_LORA_TOKENS
         if pid >= first_quant:
-            _quantize_x_rows(x_ptr, x_q_ptr, x_scale_ptr, num_entries // TOPK, x_cols, stride_x_m, stride_xq_m,
-                             pid - first_quant, num_quant_programs, X_ROWS, X_GROUP, FP8_MAX, SOFT_FP8_ROUNDING,
-                             FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+            _quantize_x_rows(x_quantization, num_entries // TOPK, pid - first_quant, num_quant_programs, X_ROWS,
+                             X_GROUP, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
             return
     if COUNT_LORA_TOKENS:
         if pid == num_sort_programs + num_zero_programs:
@@ -863,8 +871,8 @@ def x_quantization_values(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Ten
     ``x_scale [M, cdiv(H, FP8_GROUP)]``, with ``fp8_consts`` (``fmoe2.fp8.fp8_constexprs``)."""
     M, H = x.shape
     items = triton.cdiv(M, X_QUANT_ROWS) * triton.cdiv(H, FP8_GROUP)
-    args = dict(x_ptr=x, x_q_ptr=x_q, x_scale_ptr=x_scale, x_cols=H, stride_x_m=x.stride(0),
-                stride_xq_m=x_q.stride(0), num_quant_programs=min(items, MAX_X_QUANT_PROGRAMS))
+    args = dict(x_quantization=XQuantization(x, x_q, x_scale, H, x.stride(0), x_q.stride(0)),
+                num_quant_programs=min(items, MAX_X_QUANT_PROGRAMS))
     constexprs = dict(QUANTIZE_X=True, X_ROWS=X_QUANT_ROWS, X_GROUP=FP8_GROUP, FP8_MAX=fp8_consts["FP8_MAX"],
                       SOFT_FP8_ROUNDING=fp8_consts["SOFT_FP8_ROUNDING"], FP8_MIN_NORMAL=fp8_consts["FP8_MIN_NORMAL"],
                       FP8_SUBNORMAL_STEP=fp8_consts["FP8_SUBNORMAL_STEP"])

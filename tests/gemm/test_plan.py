@@ -38,7 +38,10 @@ class RecordingKernel:
 
 
 def _flat(value):
-    """An argument as a bound launch passes it: device addresses for tensors, a descriptor's fields."""
+    """An argument as a bound launch passes it: device addresses for tensors, a descriptor's fields, a tuple's
+    elements so."""
+    if isinstance(value, tuple):
+        return tuple(_flat(v) for v in value)
     if isinstance(value, torch.Tensor):
         return value.data_ptr()
     if isinstance(value, TensorDescriptor):
