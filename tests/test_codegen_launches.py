@@ -39,8 +39,18 @@ def prepared_weights(fmt: str):
                            weight_format=fmt, **zeros)
 
 
+def _described_value(v):
+    """A launch argument compared between the report and a forward: a tensor by dtype and shape, a bundle (a tuple
+    argument) element by element, anything else as it is (sizes and strides)."""
+    if isinstance(v, torch.Tensor):
+        return v.dtype, tuple(v.shape)
+    if isinstance(v, tuple):
+        return type(v).__name__, tuple(_described_value(e) for e in v)
+    return v
+
+
 def described(spec: LaunchSpec):
-    tensors = {k: (v.dtype, tuple(v.shape)) for k, v in spec.args.items() if isinstance(v, torch.Tensor)}
+    tensors = {k: _described_value(v) for k, v in spec.args.items() if isinstance(v, (torch.Tensor, tuple))}
     return spec.name, spec.kernel.fn.__name__, tuple(spec.grid), spec.constexprs, spec.options, tensors
 
 
