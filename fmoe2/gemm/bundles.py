@@ -12,7 +12,9 @@ quantization): :class:`ExpertWeights` (without its descriptor), :class:`Fp8Weigh
 sort's ``XQuantization``). Triton's JIT types a tuple argument element by element, as it types loose ones (a stride
 of 1 and a None field become constexprs, ints divisible by 16 get the hint), so the compiled code is that of the
 loose arguments. Tensor descriptors stay parameters of their own: Triton's launchers unpack descriptors only at
-the top level of the argument list.
+the top level of the argument list. A parameter the JIT must not specialise (``do_not_specialize``, such as the
+sort's program counts) stays loose too: Triton 3.6 and 3.9 specialise a tuple's elements whatever the flag says,
+so a bundled count would compile once per value class (1, a multiple of 16, other).
 """
 from typing import Any, NamedTuple
 
