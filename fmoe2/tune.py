@@ -162,14 +162,15 @@ def _store(path: str, section: Optional[str], M: int, entry: dict, check: Option
 
 
 def checked_pick(results: list, forward: Callable, reference: torch.Tensor, out_dtype: torch.dtype, bound: float,
-                 label: str, replay: Optional[Callable] = None):
-    """The fastest of ``results`` (``(config, us)`` pairs) whose ``forward(config, out)`` (``out``: ``[M, H]`` of
+                 label: str, replay: Optional[Callable] = None, ranked: bool = False):
+    """The fastest of ``results`` (``(config, us)`` pairs; tried by ``us``, or in the order given where ``ranked``,
+    as :func:`fmoe2.bench.search.search_fmoe2` ranks them) whose ``forward(config, out)`` (``out``: ``[M, H]`` of
     ``out_dtype``) passes the check against ``reference`` (module docstring), with its check record (``rel_err``: the
     largest of the calls' errors, ``bound``, ``faster_failed``). ``replay(forward_of_out, out)``, where given, runs
     the forward once more as the search timed it (a CUDA graph replay: at one token eager calls run the one-launch
     decode, graphs the sort path). RuntimeError when none passes."""
     rejected = []
-    for cfg, us in sorted(results, key=lambda r: r[1]):
+    for cfg, us in (results if ranked else sorted(results, key=lambda r: r[1])):
         errors = []
         calls = [lambda o, cfg=cfg: forward(cfg, o)] * CHECK_CALLS
         if replay is not None:
@@ -233,7 +234,7 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
     _, _, results = search_fmoe2(M, E, H, I, topk, dtype, lambda cfg: lambda: forward(cfg, out), f"{name} M={M}",
                                  candidates)
     best, us, check = checked_pick(results, forward, reference, x.dtype, BOUND["fp8" if a.dtype == "fp8" else "bf16"],
-                                   f"{name} M={M}", replay=replayed)
+                                   f"{name} M={M}", replay=replayed, ranked=True)
     if stored_as_run:
         best = fitted(best)  # (e.g. fp8: a tensor-descriptor twin runs with pointer loads: stored as it ran)
     return best.to_dict(), us, len(results), check

@@ -190,6 +190,11 @@ def test_the_fastest_config_that_matches_the_reference_is_picked():
     results = [(slow, 30.0), (right, 20.0), (unwritten, 5.0), (wrong, 10.0)]
     best, us, check = checked_pick(results, forward, reference, torch.float16, 2.5e-2, "test")
     assert best is right and us == 20.0 and check["faster_failed"] == 2 and check["rel_err"] < 1e-3
+    # The search's ranked results are walked in their order (the final round's times come first, on another clock
+    # than the quick times after them)
+    best, us, _ = checked_pick([(wrong, 9.0), (slow, 12.0), (right, 3.0)], forward, reference, torch.float16,
+                               2.5e-2, "test", ranked=True)
+    assert best is slow and us == 12.0
     with pytest.raises(RuntimeError, match="none of the 2 configs"):
         checked_pick([(wrong, 1.0), (unwritten, 2.0)], forward, reference, torch.float16, 2.5e-2, "test")
     calls = []

@@ -44,7 +44,7 @@ from .precompile import add_arguments as add_compile_arguments
 from .precompile import compile_in_processes, run_each_once, share_of
 from .problems import BF16_TOL, make_inputs, make_weights, rel_err
 from .report import merge_results, write_report
-from .search import baseline_candidates, fmoe2_candidates, search, search_fmoe2
+from .search import baseline_candidates, final_round, fmoe2_candidates, search, search_fmoe2
 from .timing import time_in_graph
 from .vllm_style import vllm_style_fused_experts
 
@@ -79,7 +79,8 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         default_cfg = fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, tuned=False)  # without a tuned file
         if do_search:
             f_cfg, _, f_all = search_fmoe2(M, E, H, I, topk, torch.bfloat16, run_fmoe2, f"{name} M={M} fmoe2")
-            b_cfgs, _, _ = search(baseline_candidates(M, E, topk), run_base, f"{name} M={M} baseline")
+            _, _, b_all = search(baseline_candidates(M, E, topk), run_base, f"{name} M={M} baseline")
+            b_cfgs = final_round(b_all, run_base, f"{name} M={M} baseline")[0][0]  # (as fmoe2's search ends)
             fused_cfg = min((r for r in f_all if r[0].path == "fused"), key=lambda r: r[1])[0]
         else:
             f_cfg, b_cfgs = picked_cfg, baseline_candidates(M, E, topk)[0]
@@ -91,6 +92,10 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         err_b = rel_err(vllm_style_fused_experts(x, w1, w2, tw, ti, *b_cfgs, **options, **biases), ref)
         t_f = time_in_graph(run_fmoe2(f_cfg))
         t_default = time_in_graph(run_fmoe2(default_cfg)) if default_cfg != f_cfg else t_f
+        # What fused_moe runs here by itself (the tuned file's entry where there is one): the searched best is
+        # an upper bound the tuned entries are meant to reach.
+        t_picked = t_f if picked_cfg == f_cfg else t_default if picked_cfg == default_cfg else \
+            time_in_graph(run_fmoe2(picked_cfg))
         t_plain = time_in_graph(lambda: fmoe2.fused_moe(x, w1, w2, tw, ti, out=out, config=f_cfg, **options,
                                                         **biases))
         t_fused = time_in_graph(run_fmoe2(fused_cfg)) if fused_cfg is not None and fused_cfg != f_cfg else (
@@ -104,7 +109,8 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         sort_budget = (10.0 if M * topk <= 8192 else 25.0) + M * H * 2 / ceilings["copy_bytes_per_s"] * 1e6
         row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, experts_hit=experts_hit,
                    fmoe2_us=t_f, fmoe2_path=f_cfg.path, fmoe2_fused_path_us=t_fused,
-                   fmoe2_default_config_us=t_default, fmoe2_plain_weights_us=t_plain,
+                   fmoe2_default_config_us=t_default, fmoe2_picked_us=t_picked,
+                   fmoe2_picked_config=picked_cfg.to_dict(), fmoe2_plain_weights_us=t_plain,
                    baseline_us=t_b, speedup=t_b / t_f, floor_us=floor, fraction_of_floor=floor / t_f,
                    sort_us=t_sort, sort_budget_us=sort_budget, fmoe2_rel_err=err_f, baseline_rel_err=err_b,
                    stage_us=stages, flops=flops, dense_gemm_us=t_dense,

@@ -54,10 +54,16 @@ def _run_lines(runs) -> list:
             f"Triton {r['triton']})" for (date, command), (r, shapes) in sorted(by_run.items())]
 
 
+def _us_or_dash(us) -> str:
+    """A time in us, or "-" for a field a result file predates."""
+    return "-" if us is None else f"{us:.1f}"
+
+
 def _table(runs) -> str:
     lines = ["| shape | M | fmoe2 (us) | path | fused path only (us) | baseline (us) | speedup | fmoe2 / floor | "
-             "sort (us) / budget | fmoe2 default config, no tuned file (us) | rel. err fmoe2 / baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "sort (us) / budget | fmoe2 default config, no tuned file (us) | fused_moe's own pick (us) | "
+             "rel. err fmoe2 / baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     speedups = []
     for run in runs:
         for r in run["results"]:
@@ -68,6 +74,7 @@ def _table(runs) -> str:
                          f"{r.get('fmoe2_fused_path_us', r['fmoe2_us']):.1f} | {r['baseline_us']:.1f} | "
                          f"{r['speedup']:.2f}x | {r['fraction_of_floor']:.0%} | {r['sort_us']:.1f} / "
                          f"{r['sort_budget_us']:.1f} | {r['fmoe2_default_config_us']:.1f} | "
+                         f"{_us_or_dash(r.get('fmoe2_picked_us'))} | "
                          f"{r['fmoe2_rel_err']:.1e} / {r['baseline_rel_err']:.1e} |")
     geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups)) if speedups else float("nan")
     lines.append(f"\nGeometric-mean speedup over {len(speedups)} points: **{geo:.2f}x**")
