@@ -51,7 +51,7 @@ from fmoe2.bench.timing import capture_graph
 from fmoe2.bench.precompile import add_arguments as add_compile_arguments
 from fmoe2.bench.precompile import compile_in_processes, run_each_once, share_of
 from fmoe2.bench.quant4 import int4_group, quantized_expertwise
-from fmoe2.bench.search import deterministic_candidates, fmoe2_candidates, search_fmoe2
+from fmoe2.bench.search import FINALISTS, deterministic_candidates, fmoe2_candidates, search_fmoe2
 from fmoe2.formats import WEIGHT_ONLY_FORMATS
 from fmoe2.gemm.config import (CONFIG_DIR, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name,
                                resolve_config, shape_file_name, tuned_section, TUNED_SECTIONS)
@@ -382,7 +382,8 @@ def main(argv=None) -> int:
     todo = tune_points(shapes, ms, a)
     skipped = len(shapes) * len(ms) - len(todo)
     dtype = DTYPES[a.dtype]
-    planned = sum(len(base_candidates(n, M, a)) + 4 for n, M in todo)  # + tma twins and a pdl twin
+    # + tma twins and a pdl twin, and the final round's timings (two turns of its finalists: counted as candidates)
+    planned = sum(len(base_candidates(n, M, a)) + 4 + 2 * FINALISTS for n, M in todo)
     per = SECONDS_PER_PRECOMPILED_CANDIDATE if a.compile_workers else SECONDS_PER_CANDIDATE
     print(f"{len(todo)} points to tune ({skipped} already in their tuned files: --overwrite retunes them), about "
           f"{planned} candidate configs: roughly {_minutes(planned * per)} at {per} s each (compiling included)",

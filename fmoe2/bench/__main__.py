@@ -81,7 +81,7 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
             f_cfg, _, f_all = search_fmoe2(M, E, H, I, topk, torch.bfloat16, run_fmoe2, f"{name} M={M} fmoe2")
             _, _, b_all = search(baseline_candidates(M, E, topk), run_base, f"{name} M={M} baseline")
             b_cfgs = final_round(b_all, run_base, f"{name} M={M} baseline")[0][0]  # (as fmoe2's search ends)
-            fused_cfg = min((r for r in f_all if r[0].path == "fused"), key=lambda r: r[1])[0]
+            fused_cfg = next(cfg for cfg, _ in f_all if cfg.path == "fused")  # (f_all is ranked, fastest first)
         else:
             f_cfg, b_cfgs = picked_cfg, baseline_candidates(M, E, topk)[0]
             fused_cfg = f_cfg if f_cfg.path == "fused" else None

@@ -181,7 +181,8 @@ def final_round(results: List[Tuple[T, float]], run: Callable[[T], Callable[[], 
     :func:`time_in_graph` times by default, in two turns (fastest first, then in reverse: a GPU whose clock drifts
     over the round favours none), each at the mean of its two times. Returns every result, fastest first: the
     finalists by their final time, then the others by their quick time (a list to walk in order, as the tuner's
-    check does: the quick times of the others are on another clock than the finalists')."""
+    check does: the quick times of the others are on another clock than the finalists'), then any finalist that
+    failed to run again (``inf``). Fewer than 2 results come back as they are, with their quick times."""
     ranked = sorted(results, key=lambda r: r[1])
     top, rest = ranked[:finalists], ranked[finalists:]
     if len(top) < 2:
@@ -197,7 +198,8 @@ def final_round(results: List[Tuple[T, float]], run: Callable[[T], Callable[[], 
     final = sorted(((cand, sum(t) / len(t)) for (cand, _), t in zip(top, times)), key=lambda r: r[1])
     print(f"  {label} final round: " + ", ".join(f"{us:.1f}" for _, us in final) + " us", file=sys.stderr,
           flush=True)
-    return final + rest
+    ran = [r for r in final if r[1] != float("inf")]
+    return ran + rest + [r for r in final if r[1] == float("inf")]
 
 
 def baseline_candidates(M: int, E: int, topk: int) -> List[Tuple[GroupedGemmConfig, GroupedGemmConfig]]:
