@@ -59,7 +59,8 @@ def test_report_breakdown_table(tmp_path):
     rows = [dict(common, M=1, fmoe2_us=2.0, fmoe2_path="fused", flops=4e6, stage_us={"sort": 1.0, "fused": 1.0},
                  dense_gemm_us=None),
             dict(common, M=4096, fmoe2_us=300.0, fmoe2_path="two_stage", flops=3e12, fmoe2_config={"tma": True, "pdl": True},
-                 stage_us={"sort": 10.0, "stage1": 200.0, "stage2": 100.0}, dense_gemm_us=200.0),
+                 stage_us={"sort": 10.0, "stage1": 200.0, "stage2": 100.0}, dense_gemm_us=200.0,
+                 fmoe2_picked_us=310.5),  # (fused_moe's own pick: result files since 2026-11-29 time it)
             dict(common, M=8192, fmoe2_us=2.0, fmoe2_path="fused")]  # an older result without stage times
     run = dict(device="GPU X", date="d", command="c", torch="t", triton="tr",
                ceilings={"copy_bytes_per_s": 1e12, "bf16_flops_per_s": 1e15}, results=rows)
@@ -68,6 +69,8 @@ def test_report_breakdown_table(tmp_path):
     md = (tmp_path / "GPU_X.md").read_text()
     assert "| s | 1 | fused | 1.0 | 1.0, 4 | - | - | - |" in md
     assert "| s | 4096 | 300.0 | two_stage +tma +pdl |" in md and "| s | 1 | 2.0 | fused |" in md  # opt-in features
+    assert "| 1.0 / 10.0 | 2.0 | 310.5 | 0.0e+00 / 0.0e+00 |" in md  # the own pick's column,
+    assert "| 1.0 / 10.0 | 2.0 | - | 0.0e+00 / 0.0e+00 |" in md  # and "-" where an older file has none
     # stage 1: 2/3 of 3e12 flops in 200 us = 10000 TFLOP/s; stage 2: 1e12 in 100 us; dense: 3e12 in 200 us
     assert "| s | 4096 | two_stage | 10.0 | 200.0, 10000 | 100.0, 10000 | 200.0, 15000 | 1.50x |" in md
     assert "| s | 8192 |" not in md.split("## Where the time goes")[1]
