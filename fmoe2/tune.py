@@ -232,7 +232,7 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
             return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), _mode(a), target_of(), cfg)
         candidates = fitted_candidates(M, E, H, I, topk, dtype, fitted)
     _, _, results = search_fmoe2(M, E, H, I, topk, dtype, lambda cfg: lambda: forward(cfg, out), f"{name} M={M}",
-                                 candidates)
+                                 candidates, fit=fitted if stored_as_run else None)
     best, us, check = checked_pick(results, forward, reference, x.dtype, BOUND["fp8" if a.dtype == "fp8" else "bf16"],
                                    f"{name} M={M}", replay=replayed, ranked=True)
     if stored_as_run:

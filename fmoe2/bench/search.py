@@ -154,21 +154,40 @@ def cuda_sm90_or_newer() -> bool:
 
 def search_fmoe2(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
                  run: Callable[[FusedMoEConfig], Callable[[], object]], label: str = "",
-                 candidates: Optional[List[FusedMoEConfig]] = None):
+                 candidates: Optional[List[FusedMoEConfig]] = None,
+                 fit: Optional[Callable[[FusedMoEConfig], FusedMoEConfig]] = None):
     """:func:`search` over ``candidates`` (default :func:`fmoe2_candidates`); then, on sm_90 and newer, over the ``tma=True``
     twins of the TMA_TWINS fastest and the ``pdl=True`` twin of the best so far (so the picked config
     says whether tensor descriptors and programmatic dependent launch pay); then :func:`final_round`.
+    ``fit`` (candidates fitted as the forward runs them, e.g. fp8 and weight-only formats, where the fit drops
+    ``tma``): a twin is fitted first and left out where it runs as a config already timed.
     Returns (best, its final-round time in us, every result fastest first as :func:`final_round` ranks them)."""
     if candidates is None:
         candidates = fmoe2_candidates(M, E, H, I, topk, dtype)
     best, us, results = search(candidates, run, label)
     if cuda_sm90_or_newer():
+        fit = fit or (lambda cfg: cfg)
+
+        def new_twins(cfgs, timed):
+            seen, out = {cfg for cfg, _ in timed}, []
+            for cfg in cfgs:
+                try:
+                    cfg = fit(cfg)
+                except Exception as exc:  # noqa: BLE001 - a twin that cannot run is skipped, as search skips it
+                    print(f"\n  {label}: skipped {cfg}: {type(exc).__name__}", file=sys.stderr)
+                    continue
+                if cfg not in seen:
+                    seen.add(cfg)
+                    out.append(cfg)
+            return out
+
         fastest = [cfg for cfg, _ in sorted(results, key=lambda r: r[1])[:TMA_TWINS]]
         # Twins that fail (e.g. out of shared memory) are skipped like any candidate; none may run.
-        _, _, twins = search([dataclasses.replace(cfg, tma=True) for cfg in fastest], run, label + " tma",
-                             required=False)
+        _, _, twins = search(new_twins([dataclasses.replace(cfg, tma=True) for cfg in fastest], results), run,
+                             label + " tma", required=False)
         best = min(results + twins, key=lambda r: r[1])[0]
-        _, _, pdl_twin = search([dataclasses.replace(best, pdl=True)], run, label + " pdl", required=False)
+        _, _, pdl_twin = search(new_twins([dataclasses.replace(best, pdl=True)], results + twins), run,
+                                label + " pdl", required=False)
         results = results + twins + pdl_twin
     results = final_round(results, run, label)
     best, us = results[0]

@@ -83,6 +83,34 @@ def test_tma_and_pdl_twins(monkeypatch):
     assert len([c for c, _ in results if c.pdl]) == 1
 
 
+def test_twins_that_fit_back_to_a_timed_config_are_not_timed_again(monkeypatch):
+    # Weight-only and fp8 forwards run without tensor descriptors: the tuner's fit drops tma, so a tma twin would
+    # time a config already timed (and crowd the final round); a twin that cannot be fitted is skipped
+    import dataclasses
+
+    import fmoe2.bench.search as search_mod
+
+    monkeypatch.setattr(search_mod, "cuda_sm90_or_newer", lambda: True)
+    monkeypatch.setattr(search_mod, "time_in_graph", lambda fn, **kw: fn())
+    timed = []
+
+    def run(cfg):
+        def timed_run():
+            timed.append(cfg)
+            return float(cfg.BLOCK_N + cfg.BLOCK_K)
+        return timed_run
+
+    def fit(cfg):
+        if cfg.pdl:
+            raise RuntimeError("cannot run")
+        return dataclasses.replace(cfg, tma=False)
+
+    candidates = search_mod.fmoe2_candidates(1, 128, 2048, 768, 8, torch.bfloat16)[:6]
+    best, _, results = search_mod.search_fmoe2(1, 128, 2048, 768, 8, torch.bfloat16, run, "test", candidates, fit=fit)
+    assert not any(cfg.tma or cfg.pdl for cfg, _ in results) and len(results) == len(set(candidates))
+    assert not any(cfg.tma for cfg in timed)
+
+
 def test_the_final_round_ranks_the_quick_searchs_fastest_by_their_full_timing(monkeypatch):
     # The quick timing (3 calls a graph) and the full one disagree by up to 15% on the H200 at M=4096: the finalists
     # are ranked by their full time, timed in two turns (forward, then reverse) and averaged; the rest follow by
