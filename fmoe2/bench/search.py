@@ -164,7 +164,7 @@ def search_fmoe2(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
     Returns (best, its final-round time in us, every result fastest first as :func:`final_round` ranks them)."""
     if candidates is None:
         candidates = fmoe2_candidates(M, E, H, I, topk, dtype)
-    best, us, results = search(candidates, run, label)
+    _, _, results = search(candidates, run, label)
     if cuda_sm90_or_newer():
         fit = fit or (lambda cfg: cfg)
 
