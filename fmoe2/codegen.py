@@ -355,7 +355,9 @@ def _meta_weights(named: Target, E: int, H: int, inter: int, dtype: torch.dtype,
         h_pad, i_pad = _round_up(H, max(64, group)), _round_up(inter, max(64, group))
         w1 = torch.empty(E, 2 * i_pad, h_pad // per, dtype=fmt.weight_dtypes[0], **meta)
         w2 = torch.empty(E, h_pad, i_pad // per, dtype=fmt.weight_dtypes[0], **meta)
-        scale_dtype = torch.float16 if torch.float16 in fmt.scale_dtypes else fmt.scale_dtypes[0]
+        # Float scales in the activations' dtype, as checkpoints mostly store them (and the int8 loader's 16-bit
+        # path takes them: operands._packed_weight_dequant)
+        scale_dtype = dtype if dtype in fmt.scale_dtypes else fmt.scale_dtypes[0]
         scales = dict(w1_scale=torch.empty(E, 2 * i_pad, h_pad // group, *fmt.scale_tail, dtype=scale_dtype, **meta),
                       w2_scale=torch.empty(E, h_pad, i_pad // group, *fmt.scale_tail, dtype=scale_dtype, **meta),
                       scale_block=(1, group), weight_format=weights)

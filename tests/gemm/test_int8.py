@@ -8,6 +8,7 @@ import torch
 
 import fmoe2
 from fmoe2 import fused_moe, int8, prepare_weights
+from fmoe2._validation import BF16_UNDER_THE_INTERPRETER, interpreter_computes_wrong
 from helpers import DEVICE, make_lora, make_problem, make_token_lora_ids, poisoned, rel_error
 from test_packed_weights import (CONFIGS, LORA_SIZES, _loader_kernel, check, check_every_path,
                                  check_lora_expert_map_and_deterministic, check_repeated_and_graph_replayed)
@@ -109,19 +110,27 @@ def test_wrong_scales_zeros_and_unprepared_int8_weights_are_refused_by_name():
 # The kernels' operand loader, bit for bit
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("into", ["float32", "scales-dtype"])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16], ids=["fp16-scales", "bf16-scales"])
 @pytest.mark.parametrize("block_k", [16, 32, 64])
 @pytest.mark.parametrize("group", [32, 64])
-def test_the_loader_dequantizes_every_value_exactly(group, block_k):
+def test_the_loader_dequantizes_every_value_exactly(group, block_k, scale_dtype, into):
+    # Into float32 the values are exact; into the scales' 16-bit dtype (the forward's tiles where the scales are in
+    # the activations' dtype: 16-bit arithmetic) the exact values rounded once
     ROWS, K = 16, 192  # K not a multiple of the 128 block below: the last step runs past the row, masked
     q = torch.randint(-128, 128, (ROWS, K), dtype=torch.int8)
     q[0, :4] = torch.tensor([-128, -1, 0, 127], dtype=torch.int8)
-    scale = (torch.rand(ROWS, K // group) + 0.01).half()
-    want = int8.dequantize_int8(q, scale, group, torch.float32)
+    scale = (torch.rand(ROWS, K // group) + 0.01).to(scale_dtype)
+    scale[1, 0] = 3.0e4 if scale_dtype == torch.float16 else 1.0e37  # (q * scale past the 16-bit range: inf, as
+    want = int8.dequantize_int8(q, scale, group, torch.float32)     # the float32 product cast to it)
+    out_dtype = torch.float32 if into == "float32" else scale_dtype
+    if interpreter_computes_wrong(out_dtype):
+        pytest.skip(BF16_UNDER_THE_INTERPRETER)
     width = -(-K // block_k) * block_k
-    out = torch.full((ROWS, width), float("nan"), device=DEVICE)
+    out = torch.full((ROWS, width), float("nan"), device=DEVICE, dtype=out_dtype)
     qd, sd = q.to(DEVICE), scale.to(DEVICE)
     _loader_kernel[(1,)](qd, sd, out, K, qd.stride(0), sd.stride(0), out.stride(0), ROWS, block_k, group)
-    assert torch.equal(out.cpu(), torch.nn.functional.pad(want, (0, width - K)))
+    assert torch.equal(out.cpu(), torch.nn.functional.pad(want, (0, width - K)).to(out_dtype))
 
 
 # ---------------------------------------------------------------------------------------------
