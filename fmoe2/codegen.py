@@ -400,7 +400,7 @@ def codegen_report(target_name: str, shape, M: int, dtype: torch.dtype = torch.b
     weights of the target's fp8 dtype (e4m3fnuz on gfx942, else e4m3fn) with scales of that scheme
     (block-wise 128 x 128), activations quantized in the kernels; not with ``lora_rank``.
     ``weights`` ("mxfp4", "int4" or "int8"): prepared weight-only quantized weights (``fmoe2/formats.py``; int4
-    with fp16 (scale, zero) pairs, int8 with fp16 scales, groups of :func:`packed_group`), dequantized in the
+    with (scale, zero) pairs and int8 with scales in ``dtype``, groups of :func:`packed_group`), dequantized in the
     kernels' operand loader.
     ``tuned_for``: the configs of that GPU's tuned files (``fmoe2/gemm/configs/<tuned_for>/``) where it has one
     for the shape, instead of the shipped default rules.

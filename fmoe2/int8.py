@@ -4,8 +4,9 @@ Symmetric int8 values ``q`` in ``[-128, 127]``, ``w = q * scale``, with one floa
 ``n`` of ``[N, K]``: vLLM's ``int8_w8a16`` checkpoints, scales ``[E, N]``) or per group of 32, 64 or 128
 consecutive K columns of a row (``[E, N, K // group]``). :func:`fmoe2.prepare_weights` takes either; per channel
 scales are repeated over groups of :data:`CHANNEL_GROUP` columns, so the kernels read one layout (the repeats cost
-2-4% of the weights' bytes). The kernels' operand loader (``fmoe2/gemm/operands.py``) converts each tile's values
-to float32, multiplies by their group's scale, rounds to the activations' dtype and multiplies.
+2-4% of the weights' bytes). The kernels' operand loader (``fmoe2/gemm/operands.py``) dequantizes each tile into
+the activations' dtype, ``q * scale`` rounded once: in that dtype's arithmetic where the scales are in it (16-bit),
+else in float32 and then rounded.
 """
 from __future__ import annotations
 

@@ -31,9 +31,10 @@ def prepared_weights(fmt: str):
     if fmt == "mxfp4":
         (p1, s1), (p2, s2) = quant4.quantize_mxfp4(w1), quant4.quantize_mxfp4(w2)
     elif fmt == "int8":
-        (p1, s1), (p2, s2) = int8.quantize_int8(w1.half(), 32), int8.quantize_int8(w2.half(), 32)
+        # (scales in the activations' dtype, as the code-generation report builds them)
+        (p1, s1), (p2, s2) = int8.quantize_int8(w1.to(DTYPE), 32), int8.quantize_int8(w2.to(DTYPE), 32)
     else:
-        (p1, s1, z1), (p2, s2, z2) = quant4.quantize_int4(w1.half(), 32), quant4.quantize_int4(w2.half(), 32)
+        (p1, s1, z1), (p2, s2, z2) = quant4.quantize_int4(w1.to(DTYPE), 32), quant4.quantize_int4(w2.to(DTYPE), 32)
         zeros = dict(w1_zero=z1.to(DEVICE), w2_zero=z2.to(DEVICE))
     return prepare_weights(p1.to(DEVICE), p2.to(DEVICE), w1_scale=s1.to(DEVICE), w2_scale=s2.to(DEVICE),
                            weight_format=fmt, **zeros)

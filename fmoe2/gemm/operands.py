@@ -113,9 +113,10 @@ def _packed_weight_dequant(packed, scales, BLOCK_K: tl.constexpr, GROUP: tl.cons
         # Scales in the activations' 16-bit dtype: int8 codes are exact in it, and its multiply rounds the exact
         # q * scale once, as float32's exact product cast to dtype does: the same bits, without float32. Triton
         # turns int8 into 16-bit floats with integer ops and a packed add; float32 took a conversion per value (I2F,
-        # a quarter-rate instruction on sm_90) and a pack back (F2FP): gpt-oss-20b's M=1 stage-1 K loop on sm_90,
-        # bf16 scales, 376 -> 311 instructions (Triton 3.9; 3.6 alike). (int4 likewise, (q - zero) * scale with the
-        # code in a 16-bit float's mantissa: 526 -> 443 on sm_90, but one VGPR spill on gfx950 at M=4096.)
+        # a quarter-rate instruction on sm_90) and a pack back (F2FP): gpt-oss-20b's M=1 stage-1 K loop on sm_90
+        # 376 instructions with fp16 scales (the float32 path), 311 with bf16 ones (this one; Triton 3.9, 3.6
+        # alike). (int4 likewise, (q - zero) * scale with the code in a 16-bit float's mantissa: 526 -> 443 with
+        # bf16 scales on sm_90, but one VGPR spill on gfx950 at M=4096: branch probe-4bit-16bit.)
         w = tl.reshape(packed.to(dtype), [ROWS, GROUPS, BLOCK_K // GROUPS]) * tl.expand_dims(scales, -1)
         w = tl.reshape(w, [ROWS, BLOCK_K])
     else:

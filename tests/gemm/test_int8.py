@@ -120,9 +120,12 @@ def test_the_loader_dequantizes_every_value_exactly(group, block_k, scale_dtype,
     ROWS, K = 16, 192  # K not a multiple of the 128 block below: the last step runs past the row, masked
     q = torch.randint(-128, 128, (ROWS, K), dtype=torch.int8)
     q[0, :4] = torch.tensor([-128, -1, 0, 127], dtype=torch.int8)
-    scale = (torch.rand(ROWS, K // group) + 0.01).to(scale_dtype)
-    scale[1, 0] = 3.0e4 if scale_dtype == torch.float16 else 1.0e37  # (q * scale past the 16-bit range: inf, as
-    want = int8.dequantize_int8(q, scale, group, torch.float32)     # the float32 product cast to it)
+    scale = ((torch.rand(ROWS, K // group) + 0.01) * torch.randn(ROWS, K // group).sign()).to(scale_dtype)
+    scale[1, 0] = 3.0e4 if scale_dtype == torch.float16 else 1.0e37  # (q * scale past the 16-bit range: inf, as the
+    scale[2, 0] = 0.0                                                # float32 product cast to it)
+    if not interpreter_computes_wrong(scale_dtype):  # (the interpreter reads bf16 subnormals as 0)
+        scale[3, 0] = -torch.finfo(scale_dtype).smallest_normal / 8  # (a subnormal scale; with q = 0, -0)
+    want = int8.dequantize_int8(q, scale, group, torch.float32)
     out_dtype = torch.float32 if into == "float32" else scale_dtype
     if interpreter_computes_wrong(out_dtype):
         pytest.skip(BF16_UNDER_THE_INTERPRETER)
@@ -130,7 +133,8 @@ def test_the_loader_dequantizes_every_value_exactly(group, block_k, scale_dtype,
     out = torch.full((ROWS, width), float("nan"), device=DEVICE, dtype=out_dtype)
     qd, sd = q.to(DEVICE), scale.to(DEVICE)
     _loader_kernel[(1,)](qd, sd, out, K, qd.stride(0), sd.stride(0), out.stride(0), ROWS, block_k, group)
-    assert torch.equal(out.cpu(), torch.nn.functional.pad(want, (0, width - K)).to(out_dtype))
+    bits = torch.int32 if out_dtype == torch.float32 else torch.int16  # (bit for bit: -0 is not 0)
+    assert torch.equal(out.cpu().view(bits), torch.nn.functional.pad(want, (0, width - K)).to(out_dtype).view(bits))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -231,7 +231,7 @@ def _loader_kernel(w_ptr, s_ptr, out_ptr, K, stride_w, stride_s, stride_out, ROW
 @pytest.mark.parametrize("into", ["float32", "scales-dtype"])
 def test_the_loader_dequantizes_every_code_exactly(fmt, block_k, scale_dtype, into):
     # Into float32 the values are exact; into the scales' 16-bit dtype (the forward's tiles where the scales are in
-    # the activations' dtype: their own path, in 16-bit arithmetic) they are the exact values rounded once
+    # the activations' dtype) the exact values rounded once
     out_dtype = torch.float32 if into == "float32" or fmt == "mxfp4" else scale_dtype
     if interpreter_computes_wrong(out_dtype):
         pytest.skip(BF16_UNDER_THE_INTERPRETER)
