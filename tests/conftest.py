@@ -47,6 +47,19 @@ _pin_xdist_worker_to_one_gpu()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
+def _share_the_cpus_among_xdist_workers():
+    """Each of N pytest-xdist workers takes 1/N of the CPUs it may run on for torch's own threads (at least one): by
+    default every worker runs about as many threads as the machine has cores, and 32 workers on 64 CPUs oversubscribed
+    them many times over."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cpus // workers))
+
+
+_share_the_cpus_among_xdist_workers()
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 

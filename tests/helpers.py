@@ -22,18 +22,34 @@ REL_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 
 def make_problem(M, E, H, I, topk, dtype, device=DEVICE, seed=0, ids=None, id_dtype=torch.int32):
-    """Fresh random inputs; weights scaled so every stage is O(1). Routing: softmax + top-k."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(M, H, generator=gen)
-    w1 = torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)
-    w2 = torch.randn(E, H, I, generator=gen) / math.sqrt(I)
-    scores = torch.randn(M, E, generator=gen).softmax(dim=-1)
+    """Fresh random inputs; weights scaled so every stage is O(1). Routing: softmax + top-k.
+
+    On a GPU everything is drawn there by the GPU's generator, one expert's weights at a time (one expert's float32
+    draw at most): on the CPU machine, drawing and scaling Mixtral-8x7B's 1.4 billion weights took about 40 s on two
+    cores, and parallel test workers each drawing them made the GPU suite CPU-bound. On the CPU, the CPU generator's
+    draws as before."""
+    if torch.device(device).type == "cpu":
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        x = torch.randn(M, H, generator=gen)
+        w1 = (torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)).to(dtype)
+        w2 = (torch.randn(E, H, I, generator=gen) / math.sqrt(I)).to(dtype)
+    else:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(M, H, generator=gen, device=device)
+        w1, w2 = (expert_weights(E, rows, cols, dtype, device, gen) for rows, cols in ((2 * I, H), (H, I)))
+    scores = torch.randn(M, E, generator=gen, device=gen.device).softmax(dim=-1)
     topk_weights, topk_ids = torch.topk(scores, topk, dim=-1)
     if ids is not None:
         topk_ids = ids
-    to = dict(device=device)
-    return (x.to(dtype=dtype, **to), w1.to(dtype=dtype, **to), w2.to(dtype=dtype, **to),
-            topk_weights.to(**to), topk_ids.to(dtype=id_dtype, **to))
+    return (x.to(dtype), w1, w2, topk_weights, topk_ids.to(dtype=id_dtype, device=device))
+
+
+def expert_weights(E, rows, cols, dtype, device, gen):
+    """(E, rows, cols) normal weights over sqrt(cols), in ``dtype``, drawn one expert at a time on ``device``."""
+    w = torch.empty(E, rows, cols, dtype=dtype, device=device)
+    for e in range(E):
+        w[e] = torch.randn(rows, cols, generator=gen, device=device).div_(math.sqrt(cols))
+    return w
 
 
 def poisoned(M, H, dtype, device=DEVICE):

@@ -9,7 +9,7 @@ import fmoe2
 import fmoe2.shapes
 from fmoe2 import fused_moe, moe_sorting, prepare_weights
 from fmoe2.bench.timing import capture_graph
-from helpers import REL_TOL, make_problem, poisoned, rel_error
+from helpers import REL_TOL, expert_weights, make_problem, poisoned, rel_error
 
 pytestmark = pytest.mark.gpu
 
@@ -526,11 +526,11 @@ class _MoEBlock(torch.nn.Module):
     def __init__(self, shape, seed, prepared=True):
         super().__init__()
         E, H, I, topk = shape
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        gen = torch.Generator(device="cuda").manual_seed(seed)  # (drawn on the GPU: helpers.make_problem says why)
         self.topk, self.H, self.I, self.prepared = topk, H, I, prepared
-        self.register_buffer("router", (torch.randn(E, H, generator=gen) / H ** 0.5).to("cuda", torch.bfloat16))
-        w1 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to("cuda", torch.bfloat16)
-        w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to("cuda", torch.bfloat16)
+        self.register_buffer("router", (torch.randn(E, H, generator=gen, device="cuda") / H ** 0.5).to(torch.bfloat16))
+        w1 = expert_weights(E, 2 * I, H, torch.bfloat16, "cuda", gen)
+        w2 = expert_weights(E, H, I, torch.bfloat16, "cuda", gen)
         if prepared:
             p = prepare_weights(w1, w2)
             w1, w2 = p.w13, p.w2
