@@ -64,12 +64,15 @@ PLAIN = "plain"
 CHECK_CALLS = 2  # eager forwards of a picked config compared with the reference (a race shows as one that differs)
 
 
-def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, run) -> list:
+def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, run,
+                      rules_pick: Optional[FusedMoEConfig] = None) -> list:
     """:func:`~fmoe2.bench.search.fmoe2_candidates` as fp8 or weight-only forwards run them: ``run(cfg)`` makes one
-    forward with ``config=cfg`` and returns the config its plan holds (the fitted one). Duplicates removed, and
-    candidates that fail to run (e.g. past the GPU's shared memory) left out."""
+    forward with ``config=cfg`` and returns the config its plan holds (the fitted one). ``rules_pick``, what such a
+    forward runs without a tuned file (its mode's rules choose its path, e.g. fp8's two-stage at decode, which the
+    16-bit pick among the candidates does not take), goes first. Duplicates removed, and candidates that fail to run
+    (e.g. past the GPU's shared memory) left out."""
     seen, out = set(), []
-    for cfg in fmoe2_candidates(M, E, H, I, topk, dtype):
+    for cfg in ([rules_pick] if rules_pick is not None else []) + fmoe2_candidates(M, E, H, I, topk, dtype):
         try:
             fitted = run(cfg)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot run is not a result
@@ -230,7 +233,8 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
             fmoe2.fused_moe(x, prepared, None, tw, ti, config=cfg)  # (raises for a candidate that cannot run)
             # The config that forward ran, from the resolver the forward asks.
             return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), _mode(a), target_of(), cfg)
-        candidates = fitted_candidates(M, E, H, I, topk, dtype, fitted)
+        rules_pick = resolve_config(ConfigProblem(M, E, H, I, topk, dtype), _mode(a), target_of())  # (no tuned file)
+        candidates = fitted_candidates(M, E, H, I, topk, dtype, fitted, rules_pick)
     _, _, results = search_fmoe2(M, E, H, I, topk, dtype, lambda cfg: lambda: forward(cfg, out), f"{name} M={M}",
                                  candidates, fit=fitted if stored_as_run else None)
     best, us, check = checked_pick(results, forward, reference, x.dtype, BOUND["fp8" if a.dtype == "fp8" else "bf16"],

@@ -312,3 +312,22 @@ def test_weight_only_tuning_refuses_fp8_and_deterministic_mode(extra, capsys):
     with pytest.raises(SystemExit):
         main(["--shape", "gpt-oss-20b", "--weights", "int5"])
     assert "invalid choice: 'int5'" in capsys.readouterr().err
+
+
+def test_a_fitted_search_starts_from_its_modes_rules_pick():
+    # fp8's rules take the two-stage path at decode where the 16-bit pick runs fused: the tuner puts the mode's own
+    # pick first (fmoe2.tune.fitted_candidates), so its search times what runs without a tuned file.
+    import torch
+
+    from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
+    from fmoe2.shapes import ALL_SHAPES
+    from fmoe2.target import NAMED_TARGETS
+    from fmoe2.tune import fitted_candidates
+
+    E, H, I, topk = ALL_SHAPES["qwen3-30b-a3b"]
+    target = NAMED_TARGETS["sm_90"]
+    problem = ConfigProblem(1, E, H, I, topk, torch.bfloat16)
+    pick = resolve_config(problem, ConfigMode(fp8=True), target)
+    ran = fitted_candidates(1, E, H, I, topk, torch.bfloat16,
+                            lambda cfg: resolve_config(problem, ConfigMode(fp8=True), target, cfg), pick)
+    assert ran[0] == pick and len(set(ran)) == len(ran) > 10

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from ..gemm.config import FusedMoEConfig, fit_config
+from ..gemm.config import FusedMoEConfig, fit_config, get_config
 from ..target import current_backend
 from .timing import time_in_graph
 from .vllm_style import GroupedGemmConfig
@@ -86,7 +86,12 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     ``DECODE_TWO_STAGE`` configs, with narrow slices and stage-2 K shares (the fused path's slices stay
     wide because of the atomic-add cap; that cap is not what holds the fused path back at decode: on
     the H100, 2026-11-24, Qwen3 M=1 took 32.8 us with 32-column slices past the cap, 192 programs,
-    against 32.4 with the 64 the cap allows, 96 programs on 132 multiprocessors)."""
+    against 32.4 with the 64 the cap allows, 96 programs on 132 multiprocessors). First of all the default rules' pick
+    (what ``fused_moe`` runs with 16-bit weights and no tuned file), which the grid does not always hold (the rules'
+    tensor descriptors and PDL, their 128-row tiles): a search times it, and ends on a slower config only where
+    the timings disagree (a tuned fp8 entry ran slower than the rules on the H200, 2026-11-29, misc/bench/defaults:
+    Qwen3-30B-A3B M=4096 853 us against 780; the tuner puts fp8's and the weight-only formats' own rules' pick first,
+    ``fmoe2.tune.fitted_candidates``)."""
     hip = current_backend() == "hip"
     hip_opts = {"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}
     seen, out = set(), []
@@ -96,6 +101,8 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)
+
+    add(get_config(M, E, H, I, topk, dtype, tuned=False))
 
     for bm, bn, bk, warps, stages, group in _grid(M, E, topk):
         add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=64 if bn >= 256 else 128, GROUP_M=group,

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import fmoe2
+
 from fmoe2.bench.search import baseline_candidates, block_m_candidates, fmoe2_candidates
 from fmoe2.bench.vllm_style import GroupedGemmConfig, vllm_style_fused_experts
 from fmoe2.gemm.config import MAX_ATOMIC_ADDS
@@ -23,6 +25,9 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         f = fmoe2_candidates(M, E, H, I, topk, torch.bfloat16)
         b = baseline_candidates(M, E, topk)
         assert f and b
+        # The default rules' pick first (a search never ends slower than what runs without a tuned file), then the grid
+        assert f[0] == fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, tuned=False)
+        f = f[1:] if f[0].BLOCK_M not in block_m_candidates(M, E, topk) else f
         assert {c.BLOCK_M for c in f} == {c[0].BLOCK_M for c in b} == set(block_m_candidates(M, E, topk))
         assert all(topk * -(-I // c.BLOCK_N) <= MAX_ATOMIC_ADDS for c in f if c.path == "fused")
         two_stage = [c for c in f if c.path == "two_stage"]
