@@ -15,7 +15,10 @@ timed in CUDA graphs (CUDA events, median of replays), the variants taking turns
   it has no tuned file for (``vllm_default_config``): what a vLLM user sees without a tuned file;
 * with ``--candidates``, the data the default rules are fitted from: the rules next to the one that applies
   (each on both paths) and vLLM's default tiles on fmoe2's two paths, each fitted as ``fused_moe`` fits a caller's
-  config.
+  config;
+* with ``--loso``, the leave-one-shape-out candidates (``fmoe2/bench/loso.py``): the tuned entries of the shapes of
+  ``--loso-shapes`` (default: the run's) in the point's range of rows per expert, and vLLM's tiles; the result goes
+  to ``<device>__bf16_<routing>_loso.json`` and the refit's report beside it (``..._loso_refit.md``).
 
 fmoe2's forwards include the sort (``path="auto"`` as a user calls it); the baseline includes its align.
 ``--routing skewed``: the logits of ``max(1, E // 16)`` hot experts get +2, so a few experts take most tokens.
@@ -50,6 +53,8 @@ from .precompile import add_arguments as add_compile_arguments
 from .precompile import compile_in_processes, run_each_once, share_of
 from .provenance import provenance_line, rewrite_report, run_record
 from .timing import time_graphs_in_turns
+from .loso import TUNED_PREFIX, loso_candidates, tuned_entries
+from .loso import write_report as loso_report
 from .vllm_style import vllm_default_config, vllm_style_fused_experts, vllm_style_fused_experts_fp8
 
 FP8_TOL = 1e-2  # against the reference with the same quantization (fmoe2/bench/fp8.py's SAME_QUANT_TOL)
@@ -81,11 +86,7 @@ def candidate_configs(problem: ConfigProblem, fp8: bool, target) -> Dict[str, Fu
     rules = BACKENDS[target.backend].default_rules(_defaults(CONFIG_DIR), target)
     here = rule_index(rules, problem.M * problem.topk / problem.E)
     raw = {f"rule{j}": FusedMoEConfig.from_dict(rules[j]) for j in range(max(0, here - 1), min(len(rules), here + 2))}
-    v = vllm_default_config(problem.M, problem.E, fp8, target.backend == "hip")
-    raw["vllm-tiles"] = FusedMoEConfig(BLOCK_M=v.BLOCK_M, BLOCK_N=v.BLOCK_N, BLOCK_K=v.BLOCK_K, BLOCK_H=128,
-                                       GROUP_M=max(1, v.GROUP_M), num_warps=v.num_warps, num_stages=v.num_stages,
-                                       S2_BLOCK_N=v.BLOCK_N, S2_BLOCK_K=v.BLOCK_K, s2_num_warps=v.num_warps,
-                                       s2_num_stages=v.num_stages)
+    raw["vllm-tiles"] = vllm_tiles(problem, fp8, target)
     if problem.M * problem.topk / problem.E <= 16:  # few rows per expert: stage 2 in two K shares (Mixtral's pick)
         raw["rule0-split2"] = replace(raw.get("rule0", FusedMoEConfig.from_dict(rules[0])), path="two_stage",
                                       S2_SPLIT_K=2, S2_BLOCK_K=128, s2_num_warps=4, s2_num_stages=4)
@@ -99,6 +100,21 @@ def candidate_configs(problem: ConfigProblem, fp8: bool, target) -> Dict[str, Fu
                 seen.add(fitted)
                 out[f"{name}/{path}"] = fitted
     return out
+
+
+def vllm_tiles(problem: ConfigProblem, fp8: bool, target) -> FusedMoEConfig:
+    """The tiles of vLLM's default rule at ``problem`` as an fmoe2 config (both stages alike; not fitted)."""
+    v = vllm_default_config(problem.M, problem.E, fp8, target.backend == "hip")
+    return FusedMoEConfig(BLOCK_M=v.BLOCK_M, BLOCK_N=v.BLOCK_N, BLOCK_K=v.BLOCK_K, BLOCK_H=128,
+                          GROUP_M=max(1, v.GROUP_M), num_warps=v.num_warps, num_stages=v.num_stages,
+                          S2_BLOCK_N=v.BLOCK_N, S2_BLOCK_K=v.BLOCK_K, s2_num_warps=v.num_warps,
+                          s2_num_stages=v.num_stages)
+
+
+def rule_bounds(target) -> List[float]:
+    """The default rules' ``max_tokens_per_expert`` on ``target``, in order (the ranges :mod:`fmoe2.bench.loso`
+    refits)."""
+    return [r["max_tokens_per_expert"] for r in BACKENDS[target.backend].default_rules(_defaults(CONFIG_DIR), target)]
 
 
 @dataclasses.dataclass
@@ -132,9 +148,11 @@ def shape_data(name: str, dtype: str, gen: torch.Generator) -> ShapeData:
 
 
 def point_variants(data: ShapeData, M: int, dtype: str, candidates: bool, x, tw, ti, out,
-                   compare_defaults: Optional[str] = None):
+                   compare_defaults: Optional[str] = None, loso_entries: Optional[dict] = None):
     """label -> (forward, tolerance, config or None): the variants of one point (``compare_defaults``: a folder
-    whose ``defaults.json`` also gives a ``defaults@`` variant)."""
+    whose ``defaults.json`` also gives a ``defaults@`` variant; ``loso_entries``: the tuned entries the
+    leave-one-shape-out refit draws from, :func:`fmoe2.bench.loso.tuned_entries`: their candidates in this point's
+    range of rows per expert, :func:`loso_variants`)."""
     fp8 = dtype == "fp8"
     target = target_of(x.device)
     problem = ConfigProblem(M, data.E, data.H, data.I, data.topk, torch.bfloat16)
@@ -159,7 +177,37 @@ def point_variants(data: ShapeData, M: int, dtype: str, candidates: bool, x, tw,
     if candidates:
         for label, cfg in candidate_configs(problem, fp8, target).items():
             variants[label] = (fmoe2_run(cfg), tol, cfg)
+    if loso_entries is not None:
+        variants.update(loso_variants(problem, fp8, target, loso_entries, fmoe2_run, tol))
     return variants
+
+
+def loso_variants(problem: ConfigProblem, fp8: bool, target, entries: dict, fmoe2_run, tol) -> dict:
+    """The leave-one-shape-out candidates of a point (:func:`fmoe2.bench.loso.loso_candidates`): label -> (forward,
+    tolerance, config). (Their ``vllm-tiles/<path>`` labels are ``--candidates``' own for the same configs.) One that
+    fits to the config of an earlier variant is then not timed again but aliased to it (:func:`loso_aliases`)."""
+    out = {}
+    for label, cfg in loso_candidates(problem, ConfigMode(fp8=fp8), target, entries, rule_bounds(target),
+                                      vllm_tiles(problem, fp8, target)).items():
+        out[label] = (fmoe2_run(cfg), tol, cfg)
+    return out
+
+
+def loso_aliases(variants: dict) -> Dict[str, str]:
+    """LOSO label -> the earlier variant label of the same fitted config (timed once, under that label)."""
+    seen, same_as = {}, {}
+    for label, (_, _, cfg) in variants.items():
+        if not isinstance(cfg, FusedMoEConfig):
+            continue
+        if cfg in seen and is_loso_label(label):
+            same_as[label] = seen[cfg]
+        else:
+            seen.setdefault(cfg, label)
+    return same_as
+
+
+def is_loso_label(label: str) -> bool:
+    return label.startswith(TUNED_PREFIX) or label.startswith("vllm-tiles/")
 
 
 def point_floor_us(data: ShapeData, M: int, topk_ids: torch.Tensor, ceilings: dict) -> float:
@@ -174,12 +222,16 @@ def point_floor_us(data: ShapeData, M: int, topk_ids: torch.Tensor, ceilings: di
 
 def bench_point(data: ShapeData, M: int, dtype: str, routing: str, candidates: bool, rounds: int,
                 gen: torch.Generator, compare_defaults: Optional[str] = None, ceilings: Optional[dict] = None,
-                compile_share: Optional[str] = None) -> Optional[dict]:
+                compile_share: Optional[str] = None, loso_entries: Optional[dict] = None) -> Optional[dict]:
     """One point's row; with ``compile_share`` (a compiling process, ``fmoe2/bench/precompile.py``) only that share
     of its variants run once, and None."""
     x, tw, ti = routed_inputs(M, data.E, data.H, data.topk, routing, gen)
     out = torch.empty_like(x)
-    variants = point_variants(data, M, dtype, candidates, x, tw, ti, out, compare_defaults)
+    variants = point_variants(data, M, dtype, candidates, x, tw, ti, out, compare_defaults, loso_entries)
+    if loso_entries is not None:
+        same_as = loso_aliases(variants)
+        loso_configs = {label: cfg.to_dict() for label, (_, _, cfg) in variants.items() if is_loso_label(label)}
+        variants = {label: v for label, v in variants.items() if label not in same_as}
     if compile_share:
         run_each_once(share_of([fn for fn, _, _ in variants.values()], compile_share))
         return None
@@ -202,6 +254,10 @@ def bench_point(data: ShapeData, M: int, dtype: str, routing: str, candidates: b
                configs={label: (cfg.to_dict() if isinstance(cfg, FusedMoEConfig) else dataclasses.asdict(cfg))
                         for label, (_, _, cfg) in variants.items() if cfg is not None},
                auto_config=auto_cfg.config.to_dict() if auto_cfg is not None else None)
+    if loso_entries is not None:
+        for label in loso_configs:
+            row["configs"].pop(label, None)  # (kept once, in candidate_configs)
+        row.update(candidates=sorted(loso_configs), candidate_configs=loso_configs, same_as=same_as)
     best_fmoe2 = min(v for k, v in times.items() if k != "vllm-default" and k not in failed)
     print(f"{data.name:20s} M={M:5d}  auto {times['auto']:8.1f}  defaults {times['defaults']:8.1f}  "
           f"vllm-default {times['vllm-default']:8.1f}  (x{times['vllm-default'] / times['auto']:.2f} auto, "
@@ -296,6 +352,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="weights (fp8: 128 x 128 block scales)")
     p.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
     p.add_argument("--candidates", action="store_true", help="also time the configs the default rules are fitted from")
+    p.add_argument("--loso", action="store_true",
+                   help="also time the leave-one-shape-out candidates (every run shape's tuned entries in the point's "
+                        "range of rows per expert, vLLM's tiles): `python -m fmoe2.bench.loso --report` refits the "
+                        "rules from them")
+    p.add_argument("--loso-shapes", default=None,
+                   help="with --loso: the shapes whose tuned entries are the candidates (served, all or names; "
+                        "default: --shapes), e.g. all of them while this run times a part, one GPU each")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     add_compile_arguments(p, "every variant")
@@ -313,22 +376,29 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA or ROCm GPU")
-    names = {"served": list(SERVED_SHAPES), "all": list(SERVED_SHAPES) + list(SHAPES)}.get(a.shapes,
-                                                                                          a.shapes.split(","))
-    unknown = [n for n in names if n not in ALL_SHAPES]
+    groups = {"served": list(SERVED_SHAPES), "all": list(SERVED_SHAPES) + list(SHAPES)}
+    names = groups.get(a.shapes, a.shapes.split(","))
+    loso_names = groups.get(a.loso_shapes, a.loso_shapes.split(",")) if a.loso_shapes else names
+    unknown = [n for n in names + loso_names if n not in ALL_SHAPES]
     if unknown:
         p.error(f"unknown shapes {unknown}; known: {sorted(ALL_SHAPES)}")
     ms = [int(m) for m in a.m.split(",")]
+    if a.loso and a.dtype != "bf16":
+        p.error("--loso refits the 16-bit default rules: bf16 weights only")
     mode = (["--m", a.m, "--dtype", a.dtype, "--routing", a.routing, "--seed", str(a.seed)]
-            + (["--candidates"] if a.candidates else [])
+            + (["--candidates"] if a.candidates else []) + (["--loso", "--loso-shapes", ",".join(loso_names)]
+                                                            if a.loso else [])
             + (["--compare-defaults", a.compare_defaults] if a.compare_defaults else []))
     ceilings = None if a.compile_share else measure_ceilings()
     device = device_config_name()
+    loso_entries = tuned_entries(loso_names, device, torch.bfloat16) if a.loso else None
     result = {**run_record("python -m fmoe2.bench.defaults", argv), "dtype": a.dtype, "routing": a.routing,
+              "rule_bounds": rule_bounds(target_of(torch.device("cuda"))),
+              **({"loso_entries": loso_entries} if a.loso else {}),
               "tuned_shapes": [n for n in tuned_shapes(device) if n in names],
               "rules_fitted_on": _defaults(CONFIG_DIR).get("fitted_on", list(SHAPES)), "ceilings": ceilings,
               "compare_defaults": a.compare_defaults, "results": []}
-    path = os.path.join(a.out_dir, f"{device}__{a.dtype}_{a.routing}.json")
+    path = os.path.join(a.out_dir, f"{device}__{a.dtype}_{a.routing}{'_loso' if a.loso else ''}.json")
     for name in names:
         if a.compile_workers and not a.compile_share:
             E, H, I, _ = ALL_SHAPES[name]  # a process holds about 4 bytes per weight (two bf16 copies, or fp8's)
@@ -338,7 +408,7 @@ def main(argv=None) -> int:
         data = shape_data(name, a.dtype, gen)
         for M in ms:
             row = bench_point(data, M, a.dtype, a.routing, a.candidates, a.rounds, gen, a.compare_defaults, ceilings,
-                              a.compile_share)
+                              a.compile_share, loso_entries)
             if row is not None:
                 result["results"].append(row)
         del data
@@ -351,7 +421,7 @@ def main(argv=None) -> int:
             plot(result, path[:-len(".json")] + ".png")
     if a.compile_share:
         return 0
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (f" and {loso_report(path, result)}" if a.loso else ""))
     failed = [(r["shape"], r["M"], label) for r in result["results"] for label in r["failed"]]
     if failed:
         print(f"{len(failed)} forwards off the reference (not timed): {failed}", file=sys.stderr)
