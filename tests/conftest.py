@@ -59,6 +59,11 @@ def _share_the_cpus_among_xdist_workers():
 
 
 _share_the_cpus_among_xdist_workers()
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0) > 1:
+    # Inductor compiles in the worker itself, not in a pool of its own of up to 32 processes per worker (read when
+    # torch._inductor is first imported, at the first torch.compile): 32 workers' pools are a thousand processes to
+    # start and stop (the four-GPU run of 11-29 reported every test but had not exited when its limit came).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
