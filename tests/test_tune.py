@@ -78,7 +78,7 @@ def test_weight_only_entries_run_as_stored():
                 problem = ConfigProblem(M, E, H, I, topk, torch.bfloat16)
                 for fmt in ("mxfp4", "int4", "int8"):
                     mode = ConfigMode(weight_format=fmt)
-                    for candidate in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16):
+                    for candidate in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16, fmt):
                         ran = resolve_config(problem, mode, target, candidate)
                         assert resolve_config(problem, mode, target, ran) == ran, (shape, M, fmt, candidate)
                         # (pointer loads: launches.tma_enabled takes descriptors for 16-bit weights only)

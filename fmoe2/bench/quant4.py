@@ -114,8 +114,9 @@ class Weights:
 def search_candidates(fmt: str, M: int, E: int, H: int, I: int, topk: int) -> list:
     """The tuner's grid at one point, fitted for format ``fmt`` (a key of :data:`FORMATS`) as ``fused_moe`` fits
     it, duplicates removed."""
-    return list(dict.fromkeys(fit_packed_config(c, weight_format=fmt.split("-")[0])
-                              for c in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16)))
+    name = fmt.split("-")[0]
+    return list(dict.fromkeys(fit_packed_config(c, weight_format=name)
+                              for c in fmoe2_candidates(M, E, H, I, topk, torch.bfloat16, name)))
 
 
 def searched(w: Weights, M: int, x, tw, ti, ref4) -> dict:

@@ -64,6 +64,15 @@ DECODE_TWO_STAGE = {
     "hip": (((32, 2), (64, 2)), ((64, 4, 2, 1), (128, 4, 2, 1), (128, 4, 2, 2))),
 }
 
+# Weight-only formats' stage 1 at decode sizes, besides the 16-bit ones: (BLOCK_N, BLOCK_K, num_warps, num_stages), each
+# with the stage-2 choices above. A 4-bit tile carries a quarter of a 16-bit one's bytes, so at M=1 the 16-bit picks'
+# grids keep too few bytes in flight (gpt-oss-20b, int4 and mxfp4: stage 1 took 88-92% of bf16's time for a quarter
+# of its bytes, H200, 2026-11-29): narrower slices (twice the programs) and longer K steps (more bytes a step). Each
+# compiles for sm_90 without spills at gpt-oss-20b's M=1 in every format (Triton 3.9; stage 1's registers: int4
+# 91-104, mxfp4 96-148, int8 60-138; loop instructions of 16x256 against the 32x128 pick: int4 550 / 526, mxfp4
+# 620 / 588, int8 370 / 311). Not yet timed: the tuner's searches try them (python -m fmoe2.tune --weights F).
+PACKED_DECODE_STAGE1 = ((16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (32, 256, 8, 3), (32, 256, 8, 4))
+
 # Stage 1's (BLOCK_N, num_stages) tried above decode sizes (8 warps, K tiles of 64). The 4-stage
 # pipeline was added after H100 sweeps of stage 1 alone (2026-11-24, scratch runs, not committed;
 # us, BLOCK_M=128, tensor descriptors on, 3 stages at 64 / 128 columns -> 4 stages at 128): Mixtral
@@ -80,7 +89,8 @@ TAIL_OF_128 = 64
 DECODE_TALL_TILES_FROM = 4  # rows per expert above which decode-sized batches also try the taller two-stage tiles
 
 
-def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype) -> List[FusedMoEConfig]:
+def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
+                     weight_format: Optional[str] = None) -> List[FusedMoEConfig]:
     """fmoe2 configs to try, after the picker's own clamps (duplicates removed): the fused path
     always, the two-stage path once experts get more than 16 tokens each, and at decode sizes the
     ``DECODE_TWO_STAGE`` configs, with narrow slices and stage-2 K shares (the fused path's slices stay
@@ -91,7 +101,8 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
     tensor descriptors and PDL, their 128-row tiles): a search times it, and ends on a slower config only where
     the timings disagree (a tuned fp8 entry ran slower than the rules on the H200, 2026-11-29, misc/bench/defaults:
     Qwen3-30B-A3B M=4096 853 us against 780; the tuner puts fp8's and the weight-only formats' own rules' pick first,
-    ``fmoe2.tune.fitted_candidates``)."""
+    ``fmoe2.tune.fitted_candidates``). ``weight_format`` (a weight-only format's name): at decode sizes also the
+    ``PACKED_DECODE_STAGE1`` stage-1 tilings (CUDA)."""
     hip = current_backend() == "hip"
     hip_opts = {"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}
     seen, out = set(), []
@@ -115,6 +126,12 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
                                num_stages=stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=bk,
                                S2_GROUP_M=1, s2_num_warps=s2_warps, s2_num_stages=s2_stages, S2_SPLIT_K=split,
                                **hip_opts))
+        if weight_format is not None and not hip:
+            for (bn, bk, warps, stages), (s2_bn, s2_warps, s2_stages, split) in itertools.product(
+                    PACKED_DECODE_STAGE1, stage2s):
+                add(FusedMoEConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=128, GROUP_M=1, num_warps=warps,
+                                   num_stages=stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=128,
+                                   S2_GROUP_M=1, s2_num_warps=s2_warps, s2_num_stages=s2_stages, S2_SPLIT_K=split))
     tokens_per_expert = M * topk / E
     if _regime(M, E, topk) != "decode" or tokens_per_expert > DECODE_TALL_TILES_FROM:
         # At 5-16 rows per expert a busy expert overflows a 16-row tile and its weights are read again: taller tiles

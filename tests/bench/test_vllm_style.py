@@ -4,7 +4,7 @@ import torch
 
 import fmoe2
 
-from fmoe2.bench.search import baseline_candidates, block_m_candidates, fmoe2_candidates
+from fmoe2.bench.search import PACKED_DECODE_STAGE1, baseline_candidates, block_m_candidates, fmoe2_candidates
 from fmoe2.bench.vllm_style import GroupedGemmConfig, vllm_style_fused_experts
 from fmoe2.gemm.config import MAX_ATOMIC_ADDS
 from helpers import assert_matches_reference, make_problem
@@ -22,7 +22,7 @@ def test_baseline_matches_reference(M, E, H, I, topk, activation):
 def test_search_space_is_shared_and_respects_the_precision_cap():
     E, H, I, topk = 8, 4096, 14336, 2
     for M in (1, 128, 4096):
-        f = fmoe2_candidates(M, E, H, I, topk, torch.bfloat16)
+        f = full = fmoe2_candidates(M, E, H, I, topk, torch.bfloat16)
         b = baseline_candidates(M, E, topk)
         assert f and b
         # The default rules' pick first (a search never ends slower than what runs without a tuned file), then the grid
@@ -37,6 +37,13 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         assert any(c.S2_SPLIT_K > 1 for c in two_stage) == (M * topk / E <= 16)
         # Above decode sizes stage 1 is also tried with 4 pipeline stages at 128 columns (STAGE1_LARGE).
         assert any(c.num_stages == 4 and c.BLOCK_N == 128 for c in two_stage) == (M * topk / E > 16)
+        # Weight-only formats' own stage-1 tilings at decode sizes (narrow slices, long K steps), for them alone
+        packed = fmoe2_candidates(M, E, H, I, topk, torch.bfloat16, "int4")
+        extra = [c for c in packed if c not in full]
+        assert full == [c for c in packed if c in full]  # (the 16-bit candidates, in their order)
+        assert bool(extra) == (M * topk / E <= 16)
+        assert all(c.path == "two_stage" and (c.BLOCK_N, c.BLOCK_K, c.num_warps, c.num_stages) in PACKED_DECODE_STAGE1
+                   for c in extra)
 
 
 def test_search_tries_tiles_taller_than_the_rows_per_expert():
