@@ -117,6 +117,13 @@ def rule_bounds(target) -> List[float]:
     return [r["max_tokens_per_expert"] for r in BACKENDS[target.backend].default_rules(_defaults(CONFIG_DIR), target)]
 
 
+def rules_key(target) -> str:
+    """The key of ``defaults.json`` holding ``target``'s default rules (``"cuda"``, ``"hip"`` or an architecture's)."""
+    shipped = _defaults(CONFIG_DIR)
+    rules = BACKENDS[target.backend].default_rules(shipped, target)
+    return next(key for key, value in shipped.items() if value is rules)
+
+
 @dataclasses.dataclass
 class ShapeData:
     """One shape's weights as each method takes them."""
@@ -394,7 +401,8 @@ def main(argv=None) -> int:
     loso_entries = tuned_entries(loso_names, device, torch.bfloat16) if a.loso else None
     result = {**run_record("python -m fmoe2.bench.defaults", argv), "dtype": a.dtype, "routing": a.routing,
               "rule_bounds": rule_bounds(target_of(torch.device("cuda"))),
-              **({"loso_entries": loso_entries} if a.loso else {}),
+              **({"loso_entries": loso_entries, "rules_key": rules_key(target_of(torch.device("cuda")))}
+                 if a.loso else {}),
               "tuned_shapes": [n for n in tuned_shapes(device) if n in names],
               "rules_fitted_on": _defaults(CONFIG_DIR).get("fitted_on", list(SHAPES)), "ceilings": ceilings,
               "compare_defaults": a.compare_defaults, "results": []}

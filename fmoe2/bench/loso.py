@@ -20,7 +20,8 @@ entry (issue 56's bar: within 1.10x at every held-out point), beside the shipped
 S among the shapes). Only shapes with a tuned file take part (elsewhere ``auto`` is the rules themselves).
 
 The same fit on every shape is the rule each range would take from the data: the report lists it, as a proposal for
-``defaults.json`` (which a change of the rules then measures with ``--compare-defaults``).
+``defaults.json``; ``--write-rules DIR`` writes fmoe2's ``defaults.json`` with those rules to DIR, which
+``python -m fmoe2.bench.defaults --compare-defaults DIR`` then times against the shipped rules in one run.
 """
 from __future__ import annotations
 
@@ -168,6 +169,22 @@ def proposal(result: dict) -> List[dict]:
     return out
 
 
+def proposed_defaults(result: dict, shipped: dict) -> dict:
+    """``shipped`` (a ``defaults.json``) with the rules of the run's backend (``result["rules_key"]``) replaced by
+    :func:`proposal`'s: each range's config with the range's bound (and the shipped rule's
+    ``min_fused_programs_per_sm`` where it has one); a range without a fit keeps its shipped rule. The source run
+    is named under ``"_proposed_by"``."""
+    key = result.get("rules_key", "cuda")
+    rules = [dict(rule) for rule in shipped[key]]
+    for p in proposal(result):
+        index = result["rule_bounds"].index(p["max_tokens_per_expert"])
+        kept = {k: rules[index][k] for k in ("min_fused_programs_per_sm",) if k in rules[index]}
+        rules[index] = dict(p["config"], max_tokens_per_expert=p["max_tokens_per_expert"], **kept)
+    runs = result.get("runs", [dict(command=result["command"], date=result["date"])])
+    return dict(shipped, **{key: rules, "_proposed_by": "python -m fmoe2.bench.loso (proposal) from " +
+                            "; ".join(f"{run['command']} ({run['date']})" for run in runs)})
+
+
 def markdown(result: dict) -> str:
     held = loso(result)
     lines = [f"# Leave-one-shape-out: the default rules refit without each shape ({result['device']}, "
@@ -242,6 +259,9 @@ def main(argv=None) -> int:
                    help="results of `python -m fmoe2.bench.defaults --loso`; one: its LOSO report beside it")
     p.add_argument("--out", default=None, metavar="JSON",
                    help="with several results: where their merged result goes (its LOSO report beside it)")
+    p.add_argument("--write-rules", default=None, metavar="DIR",
+                   help="also write DIR/defaults.json: fmoe2's with the proposed rules of the run's backend, for "
+                        "`python -m fmoe2.bench.defaults --compare-defaults DIR` to time against the shipped ones")
     a = p.parse_args(argv)
     if len(a.report) > 1 and not a.out:
         p.error("several results need --out (their merged result file)")
@@ -256,6 +276,14 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     print(f"wrote {write_report(path, result)}")
+    if a.write_rules:
+        with open(os.path.join(CONFIG_DIR, "defaults.json")) as f:
+            shipped = json.load(f)
+        os.makedirs(a.write_rules, exist_ok=True)
+        rules_path = os.path.join(a.write_rules, "defaults.json")
+        with open(rules_path, "w") as f:
+            json.dump(proposed_defaults(result, shipped), f, indent=1)
+        print(f"wrote {rules_path}")
     return 0
 
 

@@ -157,3 +157,26 @@ def test_runs_of_parts_of_the_shapes_merge_into_one_refit(tmp_path):
     assert "`part 0` (today); `part 1` (today)" in report and "| b | 1 | 0.5 | 20.0 | tuned:a@1 | 0.95 |" in report
     with pytest.raises(SystemExit):  # several results and nowhere to merge them
         main(["--report", str(tmp_path / "p0.json"), str(tmp_path / "p1.json")])
+
+
+def test_the_proposed_rules_replace_the_runs_backends_list(tmp_path):
+    from fmoe2.bench.loso import main, proposed_defaults
+
+    shipped = {"_doc": "d", "cuda": [{"BLOCK_M": 16, "max_tokens_per_expert": 4, "min_fused_programs_per_sm": 0.4},
+                                     {"BLOCK_M": 128, "max_tokens_per_expert": 1e18}], "hip": [{"BLOCK_M": 32}]}
+    out = proposed_defaults(_result(), shipped)
+    assert out["cuda"] == [{"BLOCK_M": 1, "max_tokens_per_expert": 4, "min_fused_programs_per_sm": 0.4},
+                           {"BLOCK_M": 128, "max_tokens_per_expert": 1e18}]  # (tuned:a@1 and tuned:a@128's configs)
+    assert out["hip"] == shipped["hip"] and out["_doc"] == "d" and "cmd (today)" in out["_proposed_by"]
+    (tmp_path / "r.json").write_text(json.dumps(dict(_result(), rules_key="cuda")))
+    assert main(["--report", str(tmp_path / "r.json"), "--write-rules", str(tmp_path / "rules")]) == 0
+    written = json.loads((tmp_path / "rules" / "defaults.json").read_text())
+    assert written["cuda"][0]["BLOCK_M"] == 1 and written["cuda"][0]["max_tokens_per_expert"] == 4
+    assert written["deterministic"]  # (fmoe2's shipped file otherwise)
+
+
+def test_rules_key_names_the_list_the_target_reads():
+    from fmoe2.bench.defaults import rules_key
+
+    assert [rules_key(NAMED_TARGETS[t]) for t in ("sm_90", "sm_80", "gfx942", "gfx950")] == ["cuda", "cuda", "hip",
+                                                                                              "gfx950"]
