@@ -74,6 +74,10 @@ def test_report_breakdown_table(tmp_path):
     # stage 1: 2/3 of 3e12 flops in 200 us = 10000 TFLOP/s; stage 2: 1e12 in 100 us; dense: 3e12 in 200 us
     assert "| s | 4096 | two_stage | 10.0 | 200.0, 10000 | 100.0, 10000 | 200.0, 15000 | 1.50x |" in md
     assert "| s | 8192 |" not in md.split("## Where the time goes")[1]
+    assert "Triton tr)" in md  # (a run that names no timing: the report's general line)
+    (tmp_path / "GPU_X__s.json").write_text(json.dumps(dict(run, timing="in turns")))
+    write_report(str(tmp_path), "GPU_X", plot_dir=str(tmp_path))
+    assert "Triton tr; timing: in turns)" in (tmp_path / "GPU_X.md").read_text()
 
 
 def test_variants_cover_the_opt_in_features_and_decode_two_stage():
