@@ -104,8 +104,7 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         # then 170.6 with plain weights; gpt-oss-120b 64.9 against 58.6).
         # ("picked": what fused_moe runs here by itself, the tuned file's entry where there is one; the searched
         # best is an upper bound the tuned entries are meant to reach.)
-        configs = {"fmoe2": f_cfg, "default": default_cfg, "picked": picked_cfg,
-                   "fused": fused_cfg if fused_cfg is not None else None}
+        configs = {"fmoe2": f_cfg, "default": default_cfg, "picked": picked_cfg, "fused": fused_cfg}
         variants, same = {}, {}
         for label, cfg in configs.items():
             if cfg is None:

@@ -164,22 +164,29 @@ def proposal(result: dict) -> List[dict]:
             label = fit[0]
             config = raw[label]["config"] if label in raw else next(
                 r["candidate_configs"][label] for r in in_range if label in r.get("candidate_configs", {}))
-            out.append(dict(max_tokens_per_expert=bound, label=label, geomean_over_tuned=fit[1], points=len(in_range),
-                            config=config))
+            out.append(dict(range=i, max_tokens_per_expert=bound, label=label, geomean_over_tuned=fit[1],
+                            points=len(in_range), config=config))
     return out
 
 
 def proposed_defaults(result: dict, shipped: dict) -> dict:
     """``shipped`` (a ``defaults.json``) with the rules of the run's backend (``result["rules_key"]``) replaced by
     :func:`proposal`'s: each range's config with the range's bound (and the shipped rule's
-    ``min_fused_programs_per_sm`` where it has one); a range without a fit keeps its shipped rule. The source run
-    is named under ``"_proposed_by"``."""
-    key = result.get("rules_key", "cuda")
+    ``min_fused_programs_per_sm`` where it has one: a fused proposal then still takes two stages on grids too small
+    for it, which the LOSO timings, each candidate on its own path, did not apply; ``--compare-defaults`` times the
+    rules as written); a range without a fit keeps its shipped rule. The source run is named under
+    ``"_proposed_by"``. Raises ``ValueError`` where the run's ranges are not ``shipped``'s (rules changed since)."""
+    if "rules_key" not in result:
+        raise ValueError("the result does not say which list of defaults.json its rules are (rules_key): rerun "
+                         "`python -m fmoe2.bench.defaults --loso`")
+    key = result["rules_key"]
     rules = [dict(rule) for rule in shipped[key]]
+    if [rule["max_tokens_per_expert"] for rule in rules] != result["rule_bounds"]:
+        raise ValueError(f"the run's ranges {result['rule_bounds']} are not those of defaults.json's {key!r} rules "
+                         f"{[rule['max_tokens_per_expert'] for rule in rules]}: the rules changed since the run")
     for p in proposal(result):
-        index = result["rule_bounds"].index(p["max_tokens_per_expert"])
-        kept = {k: rules[index][k] for k in ("min_fused_programs_per_sm",) if k in rules[index]}
-        rules[index] = dict(p["config"], max_tokens_per_expert=p["max_tokens_per_expert"], **kept)
+        kept = {k: rules[p["range"]][k] for k in ("min_fused_programs_per_sm",) if k in rules[p["range"]]}
+        rules[p["range"]] = dict(p["config"], max_tokens_per_expert=p["max_tokens_per_expert"], **kept)
     runs = result.get("runs", [dict(command=result["command"], date=result["date"])])
     return dict(shipped, **{key: rules, "_proposed_by": "python -m fmoe2.bench.loso (proposal) from " +
                             "; ".join(f"{run['command']} ({run['date']})" for run in runs)})
@@ -239,7 +246,7 @@ def merged(results: List[dict]) -> dict:
     command and date under ``"runs"``. They must share the device, dtype, routing and rule ranges."""
     head = results[0]
     for other in results[1:]:
-        for key in ("device", "dtype", "routing", "rule_bounds", "loso_entries"):
+        for key in ("device", "dtype", "routing", "rule_bounds", "rules_key", "loso_entries"):
             if other.get(key) != head.get(key):
                 raise ValueError(f"the runs differ in {key} (each part must draw its candidates from the same "
                                  f"shapes' tuned entries: --loso-shapes)" if key == "loso_entries" else
@@ -279,10 +286,14 @@ def main(argv=None) -> int:
     if a.write_rules:
         with open(os.path.join(CONFIG_DIR, "defaults.json")) as f:
             shipped = json.load(f)
+        try:
+            proposed = proposed_defaults(result, shipped)
+        except ValueError as error:
+            p.error(str(error))
         os.makedirs(a.write_rules, exist_ok=True)
         rules_path = os.path.join(a.write_rules, "defaults.json")
         with open(rules_path, "w") as f:
-            json.dump(proposed_defaults(result, shipped), f, indent=1)
+            json.dump(proposed, f, indent=1)
         print(f"wrote {rules_path}")
     return 0
 

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
+from ..formats import WEIGHT_ONLY_FORMATS
 from ..gemm.config import FusedMoEConfig, fit_config, get_config
 from ..target import current_backend
 from .timing import time_in_graph
@@ -126,7 +127,7 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
                                num_stages=stages, path="two_stage", S2_BLOCK_N=s2_bn, S2_BLOCK_K=bk,
                                S2_GROUP_M=1, s2_num_warps=s2_warps, s2_num_stages=s2_stages, S2_SPLIT_K=split,
                                **hip_opts))
-        if weight_format is not None and not hip:
+        if weight_format in WEIGHT_ONLY_FORMATS and not hip:
             for (bn, bk, warps, stages), (s2_bn, s2_warps, s2_stages, split) in itertools.product(
                     PACKED_DECODE_STAGE1, stage2s):
                 add(FusedMoEConfig(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=128, GROUP_M=1, num_warps=warps,

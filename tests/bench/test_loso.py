@@ -164,15 +164,31 @@ def test_the_proposed_rules_replace_the_runs_backends_list(tmp_path):
 
     shipped = {"_doc": "d", "cuda": [{"BLOCK_M": 16, "max_tokens_per_expert": 4, "min_fused_programs_per_sm": 0.4},
                                      {"BLOCK_M": 128, "max_tokens_per_expert": 1e18}], "hip": [{"BLOCK_M": 32}]}
-    out = proposed_defaults(_result(), shipped)
+    result = dict(_result(), rules_key="cuda")
+    out = proposed_defaults(result, shipped)
     assert out["cuda"] == [{"BLOCK_M": 1, "max_tokens_per_expert": 4, "min_fused_programs_per_sm": 0.4},
                            {"BLOCK_M": 128, "max_tokens_per_expert": 1e18}]  # (tuned:a@1 and tuned:a@128's configs)
     assert out["hip"] == shipped["hip"] and out["_doc"] == "d" and "cmd (today)" in out["_proposed_by"]
-    (tmp_path / "r.json").write_text(json.dumps(dict(_result(), rules_key="cuda")))
+    with pytest.raises(ValueError, match="rules_key"):  # (which list of defaults.json: the run must say)
+        proposed_defaults(_result(), shipped)
+    with pytest.raises(ValueError, match="changed since"):  # ranges that are not the shipped rules' any more
+        proposed_defaults(result, dict(shipped, cuda=[dict(shipped["cuda"][0], max_tokens_per_expert=12),
+                                                      shipped["cuda"][1]]))
+    # fmoe2's own defaults.json: a run with its ranges gets its list rewritten whole, the rest of the file kept
+    from fmoe2.bench.defaults import rule_bounds
+
+    bounds = rule_bounds(NAMED_TARGETS["sm_90"])
+    rows = [dict(r, tokens_per_expert=bounds[0] if r["M"] == 1 else bounds[-1]) for r in result["results"]]
+    (tmp_path / "r.json").write_text(json.dumps(dict(result, rule_bounds=bounds, results=rows)))
     assert main(["--report", str(tmp_path / "r.json"), "--write-rules", str(tmp_path / "rules")]) == 0
     written = json.loads((tmp_path / "rules" / "defaults.json").read_text())
-    assert written["cuda"][0]["BLOCK_M"] == 1 and written["cuda"][0]["max_tokens_per_expert"] == 4
-    assert written["deterministic"]  # (fmoe2's shipped file otherwise)
+    assert [r["max_tokens_per_expert"] for r in written["cuda"]] == bounds
+    assert written["cuda"][0]["BLOCK_M"] == 1 and written["cuda"][-1]["BLOCK_M"] == 128  # (a@1's and a@128's)
+    shipped_cuda = __import__("fmoe2").gemm.config._defaults(__import__("fmoe2").gemm.config.CONFIG_DIR)["cuda"]
+    assert written["cuda"][1:-1] == shipped_cuda[1:-1] and written["deterministic"]  # (ranges without rows kept)
+    (tmp_path / "old.json").write_text(json.dumps(dict(result, rule_bounds=[4, 1e18])))
+    with pytest.raises(SystemExit):
+        main(["--report", str(tmp_path / "old.json"), "--write-rules", str(tmp_path / "rules2")])
 
 
 def test_rules_key_names_the_list_the_target_reads():
