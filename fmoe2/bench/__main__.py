@@ -67,6 +67,21 @@ TIMING = (f"a point's variants captured together (10 calls per CUDA graph) and r
           f"{TIMING_REPLAYS} replays each, CUDA events, the median of all")
 
 
+def distinct_configs(configs: dict) -> tuple:
+    """(label -> config of the first label of each distinct config, label -> that first label for the others):
+    each config is timed once; None (no such variant) is left out of both."""
+    timed, same = {}, {}
+    for label, cfg in configs.items():
+        if cfg is None:
+            continue
+        first = next((other for other, c in timed.items() if c == cfg), None)
+        if first is None:
+            timed[label] = cfg
+        else:
+            same[label] = first
+    return timed, same
+
+
 def bench_shape(name, shape, ms, do_search, ceilings, gen):
     E, H, I, topk = shape
     w1, w2, options, biases, prepared = make_weights(name, shape, gen)
@@ -104,16 +119,9 @@ def bench_shape(name, shape, ms, do_search, ceilings, gen):
         # then 170.6 with plain weights; gpt-oss-120b 64.9 against 58.6).
         # ("picked": what fused_moe runs here by itself, the tuned file's entry where there is one; the searched
         # best is an upper bound the tuned entries are meant to reach.)
-        configs = {"fmoe2": f_cfg, "default": default_cfg, "picked": picked_cfg, "fused": fused_cfg}
-        variants, same = {}, {}
-        for label, cfg in configs.items():
-            if cfg is None:
-                continue
-            first = next((other for other, c in configs.items() if c == cfg and other in variants), None)
-            if first is None:
-                variants[label] = run_fmoe2(cfg)
-            else:
-                same[label] = first
+        timed, same = distinct_configs({"fmoe2": f_cfg, "default": default_cfg, "picked": picked_cfg,
+                                        "fused": fused_cfg})
+        variants = {label: run_fmoe2(cfg) for label, cfg in timed.items()}
         variants["plain"] = lambda: fmoe2.fused_moe(x, w1, w2, tw, ti, out=out, config=f_cfg, **options, **biases)
         variants["baseline"] = run_base(b_cfgs)
         t = time_graphs_in_turns(variants, TIMING_TURNS, 10, TIMING_REPLAYS)

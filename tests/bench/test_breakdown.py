@@ -153,3 +153,13 @@ def test_update_refuses_results_it_cannot_merge(flag, capsys):
     # would be the missing GPU).
     assert "--update reruns searched plain results only" in capsys.readouterr().err
 
+
+
+def test_each_distinct_config_of_a_point_is_timed_once():
+    from fmoe2.bench.__main__ import distinct_configs
+
+    a, b = object(), object()
+    timed, same = distinct_configs({"fmoe2": a, "default": b, "picked": a, "fused": None})
+    assert timed == {"fmoe2": a, "default": b} and same == {"picked": "fmoe2"}
+    timed, same = distinct_configs({"fmoe2": a, "default": a, "picked": a, "fused": a})
+    assert timed == {"fmoe2": a} and same == {"default": "fmoe2", "picked": "fmoe2", "fused": "fmoe2"}

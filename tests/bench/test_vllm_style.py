@@ -177,3 +177,18 @@ def test_baseline_alignment_stays_one_kernel(monkeypatch):
     lora = prepare_baseline_lora(make_lora(2, E, H, I, 8, torch.float16, seed=1))
     vllm_style_fused_experts_lora(x, w1, w2, tw, ti, lora, make_token_lora_ids(M, 2, seed=1), cfg, cfg)
     assert chunk_sizes == [0, 0, 0]  # plain; LoRA run: its base alignment and its adapter-keyed one
+
+
+def test_rocm_searches_take_no_packed_decode_candidates(monkeypatch):
+    # (PACKED_DECODE_STAGE1 was compiled and sized for sm_90; the HIP grid keeps its own)
+    import fmoe2.bench.search as search_mod
+
+    monkeypatch.setattr(search_mod, "current_backend", lambda: "hip")
+    E, H, I, topk = 32, 2880, 2880, 4
+    assert search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16, "int4") == \
+        search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16)
+    monkeypatch.setattr(search_mod, "current_backend", lambda: "cuda")
+    assert len(search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16, "int4")) > \
+        len(search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16))
+    assert search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16, "16bit") == \
+        search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16)  # (weight-only formats' names only)
