@@ -65,16 +65,13 @@ CHECK_CALLS = 2  # eager forwards of a picked config compared with the reference
 
 
 def fitted_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype, run,
-                      rules_pick: Optional[FusedMoEConfig] = None, weight_format: Optional[str] = None) -> list:
-    """:func:`~fmoe2.bench.search.fmoe2_candidates` as fp8 or weight-only forwards run them: ``run(cfg)`` makes one
-    forward with ``config=cfg`` and returns the config its plan holds (the fitted one). ``rules_pick``, what such a
-    forward runs without a tuned file (its mode's rules choose its path, e.g. fp8's two-stage at decode, which the
-    16-bit pick among the candidates does not take), goes first; ``weight_format``: a weight-only format's own
-    candidates too (:func:`~fmoe2.bench.search.fmoe2_candidates`). Duplicates removed, and candidates that fail to
-    run (e.g. past the GPU's shared memory) left out."""
+                      weight_format: Optional[str] = None, fp8: bool = False) -> list:
+    """:func:`~fmoe2.bench.search.fmoe2_candidates` of fp8 or weight-only (``weight_format``) weights as their
+    forwards run them: ``run(cfg)`` makes one forward with ``config=cfg`` and returns the config its plan holds (the
+    fitted one). Duplicates removed, and candidates that fail to run (e.g. past the GPU's shared memory) left
+    out."""
     seen, out = set(), []
-    for cfg in ([rules_pick] if rules_pick is not None else []) + fmoe2_candidates(M, E, H, I, topk, dtype,
-                                                                                  weight_format):
+    for cfg in fmoe2_candidates(M, E, H, I, topk, dtype, weight_format, fp8):
         try:
             fitted = run(cfg)
         except Exception as error:  # noqa: BLE001 - a candidate that cannot run is not a result
@@ -235,8 +232,7 @@ def tune_point(name: str, M: int, prepared, dtype: torch.dtype, a, gen: torch.Ge
             fmoe2.fused_moe(x, prepared, None, tw, ti, config=cfg)  # (raises for a candidate that cannot run)
             # The config that forward ran, from the resolver the forward asks.
             return resolve_config(ConfigProblem(M, E, H, I, topk, dtype), _mode(a), target_of(), cfg)
-        rules_pick = resolve_config(ConfigProblem(M, E, H, I, topk, dtype), _mode(a), target_of())  # (no tuned file)
-        candidates = fitted_candidates(M, E, H, I, topk, dtype, fitted, rules_pick, a.weights)
+        candidates = fitted_candidates(M, E, H, I, topk, dtype, fitted, a.weights, a.dtype == "fp8")
     _, _, results = search_fmoe2(M, E, H, I, topk, dtype, lambda cfg: lambda: forward(cfg, out), f"{name} M={M}",
                                  candidates, fit=fitted if stored_as_run else None)
     best, us, check = checked_pick(results, forward, reference, x.dtype, BOUND["fp8" if a.dtype == "fp8" else "bf16"],
@@ -283,7 +279,8 @@ def base_candidates(name: str, M: int, a) -> list:
     E, H, I, topk = _shape(name)
     if a.deterministic:
         return deterministic_candidates(M, E, H, I, topk, DTYPES[a.dtype])
-    return fmoe2_candidates(M, E, H, I, topk, torch.bfloat16 if a.dtype == "fp8" else DTYPES[a.dtype], a.weights)
+    return fmoe2_candidates(M, E, H, I, topk, torch.bfloat16 if a.dtype == "fp8" else DTYPES[a.dtype], a.weights,
+                            a.dtype == "fp8")
 
 
 def compile_candidates(name: str, ms: List[int], a) -> None:

@@ -314,20 +314,25 @@ def test_weight_only_tuning_refuses_fp8_and_deterministic_mode(extra, capsys):
     assert "invalid choice: 'int5'" in capsys.readouterr().err
 
 
-def test_a_fitted_search_starts_from_its_modes_rules_pick():
-    # fp8's rules take the two-stage path at decode where the 16-bit pick runs fused: the tuner puts the mode's own
-    # pick first (fmoe2.tune.fitted_candidates), so its search times what runs without a tuned file.
+@pytest.mark.parametrize("mode", [dict(fp8=True), dict(weight_format="int4"), dict(weight_format="mxfp4"),
+                                  dict(weight_format="int8"), dict()], ids=["fp8", "int4", "mxfp4", "int8", "16bit"])
+def test_a_fitted_search_starts_from_its_modes_rules_pick(mode):
+    # fp8's rules take the two-stage path at decode where the 16-bit pick runs fused: the search's first candidate is
+    # the mode's own rules pick (fmoe2_candidates), so a search times what runs without a tuned file.
     import torch
 
-    from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
+    from fmoe2.gemm.config import ConfigMode, ConfigProblem, get_config, resolve_config
     from fmoe2.shapes import ALL_SHAPES
-    from fmoe2.target import NAMED_TARGETS
+    from fmoe2.target import target_of
     from fmoe2.tune import fitted_candidates
 
-    E, H, I, topk = ALL_SHAPES["qwen3-30b-a3b"]
-    target = NAMED_TARGETS["sm_90"]
-    problem = ConfigProblem(1, E, H, I, topk, torch.bfloat16)
-    pick = resolve_config(problem, ConfigMode(fp8=True), target)
-    ran = fitted_candidates(1, E, H, I, topk, torch.bfloat16,
-                            lambda cfg: resolve_config(problem, ConfigMode(fp8=True), target, cfg), pick)
-    assert ran[0] == pick and len(set(ran)) == len(ran) > 10
+    config_mode = ConfigMode(fp8=mode.get("fp8", False), weight_format=mode.get("weight_format", "16bit"))
+    for shape in ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3"):
+        E, H, I, topk = ALL_SHAPES[shape]
+        for M in (1, 16, 128, 1024, 4096):
+            problem = ConfigProblem(M, E, H, I, topk, torch.bfloat16)
+            pick = get_config(M, E, H, I, topk, torch.bfloat16, tuned=False, **mode)
+            ran = fitted_candidates(M, E, H, I, topk, torch.bfloat16,
+                                    lambda cfg: resolve_config(problem, config_mode, target_of(), cfg),
+                                    mode.get("weight_format"), mode.get("fp8", False))
+            assert ran[0] == pick and len(set(ran)) == len(ran) > 10, (shape, M)

@@ -91,19 +91,19 @@ DECODE_TALL_TILES_FROM = 4  # rows per expert above which decode-sized batches a
 
 
 def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dtype,
-                     weight_format: Optional[str] = None) -> List[FusedMoEConfig]:
+                     weight_format: Optional[str] = None, fp8: bool = False) -> List[FusedMoEConfig]:
     """fmoe2 configs to try, after the picker's own clamps (duplicates removed): the fused path
     always, the two-stage path once experts get more than 16 tokens each, and at decode sizes the
     ``DECODE_TWO_STAGE`` configs, with narrow slices and stage-2 K shares (the fused path's slices stay
     wide because of the atomic-add cap; that cap is not what holds the fused path back at decode: on
     the H100, 2026-11-24, Qwen3 M=1 took 32.8 us with 32-column slices past the cap, 192 programs,
     against 32.4 with the 64 the cap allows, 96 programs on 132 multiprocessors). First of all the default rules' pick
-    (what ``fused_moe`` runs with 16-bit weights and no tuned file), which the grid does not always hold (the rules'
-    tensor descriptors and PDL, their 128-row tiles): a search times it, and ends on a slower config only where
-    the timings disagree (a tuned fp8 entry ran slower than the rules on the H200, 2026-11-29, misc/bench/defaults:
-    Qwen3-30B-A3B M=4096 853 us against 780; the tuner puts fp8's and the weight-only formats' own rules' pick first,
-    ``fmoe2.tune.fitted_candidates``). ``weight_format`` (a weight-only format's name): at decode sizes also the
-    ``PACKED_DECODE_STAGE1`` stage-1 tilings (CUDA)."""
+    for the weights' mode (what ``fused_moe`` runs without a tuned file with 16-bit weights, or ``fp8`` ones, or
+    those of ``weight_format``), which the grid does not always hold (the rules' tensor descriptors and PDL, their
+    128-row tiles, fp8's two-stage decode): a search times it, and ends on a slower config only where the timings
+    disagree (a tuned fp8 entry ran slower than the rules on the H200, 2026-11-29, misc/bench/defaults:
+    Qwen3-30B-A3B M=4096 853 us against 780). ``weight_format`` (a weight-only format's name): at decode sizes
+    also the ``PACKED_DECODE_STAGE1`` stage-1 tilings (CUDA)."""
     hip = current_backend() == "hip"
     hip_opts = {"waves_per_eu": 0, "matrix_instr_nonkdim": 16} if hip else {}
     seen, out = set(), []
@@ -114,7 +114,10 @@ def fmoe2_candidates(M: int, E: int, H: int, I: int, topk: int, dtype: torch.dty
             seen.add(cfg)
             out.append(cfg)
 
-    add(get_config(M, E, H, I, topk, dtype, tuned=False))
+    # (as the resolver fitted it for its mode: the 16-bit fit of the grid below would refit an fp8 pick's stages)
+    rules_pick = get_config(M, E, H, I, topk, dtype, tuned=False, fp8=fp8, weight_format=weight_format or "16bit")
+    seen.add(rules_pick)
+    out.append(rules_pick)
 
     for bm, bn, bk, warps, stages, group in _grid(M, E, topk):
         add(FusedMoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=64 if bn >= 256 else 128, GROUP_M=group,

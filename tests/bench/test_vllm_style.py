@@ -37,10 +37,12 @@ def test_search_space_is_shared_and_respects_the_precision_cap():
         assert any(c.S2_SPLIT_K > 1 for c in two_stage) == (M * topk / E <= 16)
         # Above decode sizes stage 1 is also tried with 4 pipeline stages at 128 columns (STAGE1_LARGE).
         assert any(c.num_stages == 4 and c.BLOCK_N == 128 for c in two_stage) == (M * topk / E > 16)
-        # Weight-only formats' own stage-1 tilings at decode sizes (narrow slices, long K steps), for them alone
+        # A weight-only format's search: its own rules' pick first, the same grid, and at decode sizes its own
+        # stage-1 tilings (narrow slices, long K steps)
         packed = fmoe2_candidates(M, E, H, I, topk, torch.bfloat16, "int4")
-        extra = [c for c in packed if c not in full]
-        assert full == [c for c in packed if c in full]  # (the 16-bit candidates, in their order)
+        assert packed[0] == fmoe2.get_config(M, E, H, I, topk, torch.bfloat16, tuned=False, weight_format="int4")
+        extra = [c for c in packed[1:] if c not in full]
+        assert set(full[1:]) <= set(packed)  # (the 16-bit grid is all there)
         assert bool(extra) == (M * topk / E <= 16)
         assert all(c.path == "two_stage" and (c.BLOCK_N, c.BLOCK_K, c.num_warps, c.num_stages) in PACKED_DECODE_STAGE1
                    for c in extra)
@@ -183,12 +185,10 @@ def test_rocm_searches_take_no_packed_decode_candidates(monkeypatch):
     # (PACKED_DECODE_STAGE1 was compiled and sized for sm_90; the HIP grid keeps its own)
     import fmoe2.bench.search as search_mod
 
-    monkeypatch.setattr(search_mod, "current_backend", lambda: "hip")
     E, H, I, topk = 32, 2880, 2880, 4
-    assert search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16, "int4") == \
-        search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16)
+    grid = lambda fmt=None: search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16, fmt)[1:]  # noqa: E731
+    monkeypatch.setattr(search_mod, "current_backend", lambda: "hip")  # (after the rules' pick)
+    assert grid("int4") == grid()
     monkeypatch.setattr(search_mod, "current_backend", lambda: "cuda")
-    assert len(search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16, "int4")) > \
-        len(search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16))
-    assert search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16, "16bit") == \
-        search_mod.fmoe2_candidates(1, E, H, I, topk, torch.bfloat16)  # (weight-only formats' names only)
+    assert len(grid("int4")) > len(grid())
+    assert grid("16bit") == grid()  # (weight-only formats' names only)
