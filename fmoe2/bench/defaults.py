@@ -53,7 +53,7 @@ from .precompile import add_arguments as add_compile_arguments
 from .precompile import compile_in_processes, run_each_once, share_of
 from .provenance import provenance_line, rewrite_report, run_record
 from .timing import time_graphs_in_turns
-from .loso import TUNED_PREFIX, loso_candidates, tuned_entries
+from .loso import TUNED_PREFIX, loso_candidates, rule_range, tuned_entries
 from .loso import write_report as loso_report
 from .vllm_style import vllm_default_config, vllm_style_fused_experts, vllm_style_fused_experts_fp8
 
@@ -75,7 +75,7 @@ def routed_inputs(M: int, E: int, H: int, topk: int, routing: str, gen: torch.Ge
 
 def rule_index(rules: List[dict], tokens_per_expert: float) -> int:
     """Index of the default rule that applies at ``tokens_per_expert`` (the last beyond them all)."""
-    return next((i for i, r in enumerate(rules) if tokens_per_expert <= r["max_tokens_per_expert"]), len(rules) - 1)
+    return rule_range([r["max_tokens_per_expert"] for r in rules], tokens_per_expert)
 
 
 def candidate_configs(problem: ConfigProblem, fp8: bool, target) -> Dict[str, FusedMoEConfig]:
