@@ -110,8 +110,8 @@ def fused_moe(
     Returns:
         ``[M, H]`` in the dtype of ``hidden_states`` (``out`` when given).
 
-    Gate/up accumulate in fp32; the activated intermediate is rounded to the input dtype before
-    the down GEMM. The partial results are added with atomics: into a float32 accumulator cast to
+    Gate/up accumulate in fp32; the activated intermediate, times the routing weight, is rounded to the input
+    dtype before the down GEMM. The partial results are added with atomics: into a float32 accumulator cast to
     ``out`` last on the fused path with 16-bit weights, into ``out`` in its dtype elsewhere
     (``FusedMoEConfig.accumulate_fp32``; docs/numerics.md). With fp16, an intermediate value beyond 65504
     becomes inf, which the down GEMM turns into NaN across that token's output row, and an output value beyond
