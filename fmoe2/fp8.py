@@ -27,6 +27,7 @@ every scheme keeps the fused and the two-stage paths bitwise alike in what they 
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -34,6 +35,12 @@ import triton
 import triton.language as tl
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# Per-token activations (issue 59; experimental, off unless FMOE2_FP8_PER_TOKEN=1 is in the environment when fmoe2 is
+# imported): with weights scaled per channel or per tensor, x is quantized per token over all of H (one scale a
+# row, as vLLM does for such weights), so the gate/up GEMM scales its products once, after its K loop, instead of
+# every 128-column step. The intermediate stays quantized per group of 128 (a program of the fused kernel holds
+# only its slice of I).
+PER_TOKEN_ACTIVATIONS = os.environ.get("FMOE2_FP8_PER_TOKEN") == "1"
 FP8_GROUP = 128  # activation elements per quantization group (along K); also the kernels' K step with fp8
 DEFAULT_BLOCK_SHAPE = (128, 128)
 SCHEMES = ("block", "channel", "tensor")
@@ -190,6 +197,12 @@ def quantize_activations(v: torch.Tensor, dtype: torch.dtype, group: int = FP8_G
     return q.view(R, groups * group)[:, :K], amax / limits
 
 
+def x_group(hidden_size: int, w1_scale: torch.Tensor) -> int:
+    """Columns of x per activation scale in an fp8 forward: all of H where :data:`PER_TOKEN_ACTIVATIONS` is on and
+    ``w1_scale`` (its ``[E, Sn, Sk]`` view) is constant along K (per channel or per tensor), else FP8_GROUP."""
+    return hidden_size if PER_TOKEN_ACTIVATIONS and w1_scale.shape[-1] == 1 else FP8_GROUP
+
+
 def fake_quantize_activations(v: torch.Tensor, dtype: torch.dtype, group: int = FP8_GROUP) -> torch.Tensor:
     """float32 rows ``v [R, K]`` after the kernels' quantization and back (``q * scale``)."""
     q, scale = quantize_activations(v, dtype, group)
@@ -217,18 +230,33 @@ def _round_to_fp8_grid(v, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr
 
 
 @triton.jit
-def _quantize_rows(v, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                   SUBNORMAL_STEP: tl.constexpr):
-    """``(scaled [R, C] fp32, scale [R] fp32)`` of fp32 rows ``v``, one quantization group per row
-    (module docstring): ``scaled.to(fp8)`` is the quantized row, ``scale`` its dequantization scale.
-    SOFT_ROUNDING (the interpreter): ``scaled`` already on the fp8 grid (:func:`_round_to_fp8_grid`)."""
+def _abs_max_bits(v):
+    """[R] int32: the bits of each fp32 row's largest magnitude (NaN above inf), as :func:`_quantize_rows` takes
+    it; the maximum of two rows' is the joined row's."""
     # NaN propagates as through a 16-bit GEMM (tl.max, tl.maximum and tl.minimum drop it by default): a row
     # holding NaN gets the scale NaN and every element NaN; one holding +-inf gets the scale inf and NaN
     # where the inf was (inf * 0), so its products come out NaN too. Rows are independent. The row maximum
     # is taken on the bits: non-negative floats order as their int32 patterns, and NaN (sign cleared by abs: an
     # AND with 0x7fffffff on sm_90 and gfx942, Triton 3.9) lies above inf (a custom combine would do too, but runs
     # element by element in the interpreter).
-    amax = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
+    return tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1)
+
+
+@triton.jit
+def _quantize_rows(v, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                   SUBNORMAL_STEP: tl.constexpr):
+    """``(scaled [R, C] fp32, scale [R] fp32)`` of fp32 rows ``v``, one quantization group per row
+    (module docstring): ``scaled.to(fp8)`` is the quantized row, ``scale`` its dequantization scale.
+    SOFT_ROUNDING (the interpreter): ``scaled`` already on the fp8 grid (:func:`_round_to_fp8_grid`)."""
+    return _quantize_rows_by(v, _abs_max_bits(v), FP8_MAX, SOFT_ROUNDING, MIN_NORMAL, SUBNORMAL_STEP)
+
+
+@triton.jit
+def _quantize_rows_by(v, amax_bits, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                      SUBNORMAL_STEP: tl.constexpr):
+    """:func:`_quantize_rows` of rows ``v`` that are part of longer rows, whose :func:`_abs_max_bits` is
+    ``amax_bits`` [R] (per-token quantization: the whole row's group)."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
     amax = tl.where(amax == 0.0, 1.0, amax)
     limit = tl.full(amax.shape, FP8_MAX, tl.float32)
     inv = tl.math.div_rn(limit, amax)  # (plain "/" may be approximate on GPUs)

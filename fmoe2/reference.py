@@ -140,7 +140,7 @@ def fused_moe_reference(
 
     fp8 weights (with ``w1_scale``/``w2_scale``, or prepared): the weights dequantized, and the
     activations quantized as the kernels do (``fmoe2/fp8.py``): ``x`` per token and group of 128
-    along H; the intermediate after the routing weight, rounded to the input dtype, along I.
+    along H (per token over all of H with per-token activations: ``fp8.x_group``); the intermediate after the routing weight, rounded to the input dtype, along I.
 
     With ``lora`` (:class:`fmoe2.MoELoRA` or its prepared form) and ``token_lora_ids`` ``[M]``,
     a token with adapter ``l`` in ``[0, max_loras)`` adds ``s_l * (v A[l,e]^T) B[l,e]^T`` to each
@@ -156,9 +156,9 @@ def fused_moe_reference(
     x = hidden_states.to(compute)
     fp8_dtype = w1.dtype if fp8 is not None else None
     if fp8 is not None:
-        from .fp8 import fake_quantize_activations
+        from .fp8 import fake_quantize_activations, x_group
 
-        x = fake_quantize_activations(x, fp8_dtype).to(compute)
+        x = fake_quantize_activations(x, fp8_dtype, x_group(x.shape[1], fp8[0])).to(compute)
     E, two_i, _ = w1.shape
     inter = two_i // 2
     ids = local_expert_ids(topk_ids, E, expert_map)

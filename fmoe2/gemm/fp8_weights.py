@@ -43,12 +43,14 @@ from .tiles import _slice_columns
 def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_k, offs_n, n_valid, offs_r,
                  r_valid, I, H, s1_expert, stride_s1_n, stride_s1_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
-                 SCALE_BLOCK_K: tl.constexpr):
+                 SCALE_BLOCK_K: tl.constexpr, X_PER_ROW: tl.constexpr):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] (fp32) of one slice, fp8 weights (BLOCK_K = one activation
     group): x comes quantized by the sort launch (``xq_rows``: [BLOCK_M, 1] fp8 row pointers, ``xs_rows``:
     [BLOCK_M] pointers to the rows' group scales), and each step's product is scaled by the rows' activation
     scales and the weight rows' scales ``s1_expert[orig_row // SCALE_BLOCK_N, k0 // SCALE_BLOCK_K]`` (orig_row:
-    the row in the checkpoint's order, gate rows then up rows)."""
+    the row in the checkpoint's order, gate rows then up rows). X_PER_ROW (per-token activations, with weight
+    scales constant along K: ``fmoe2.fp8.x_group``): one scale a row of x and of w1, the products summed unscaled
+    and scaled once after the loop."""
     offs_k = tl.arange(0, BLOCK_K)
     if GATE_UP_INTERLEAVED:
         w_rows = w1_expert + offs_r[:, None] * stride_w1_n
@@ -59,10 +61,16 @@ def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_
             k = k0 + offs_k
             k_valid = k < H
             a = tl.load(xq_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
             b = tl.load(w_rows + k[None, :] * stride_w1_k, mask=r_valid[:, None] & k_valid[None, :], other=0.0)
-            sb = tl.load(s_rows + (k0 // SCALE_BLOCK_K) * stride_s1_k, mask=r_valid, other=0.0)
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+            if X_PER_ROW:
+                acc = tl.dot(a, tl.trans(b), acc)
+            else:
+                sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
+                sb = tl.load(s_rows + (k0 // SCALE_BLOCK_K) * stride_s1_k, mask=r_valid, other=0.0)
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if X_PER_ROW:
+            acc *= tl.load(xs_rows, mask=row_valid, other=0.0)[:, None] * tl.load(s_rows, mask=r_valid,
+                                                                                    other=0.0)[None, :]
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
@@ -76,14 +84,22 @@ def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_
             k_valid = k < H
             w_mask = n_valid[:, None] & k_valid[None, :]
             a = tl.load(xq_rows + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
             bg = tl.load(gate_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
             bu = tl.load(up_rows + k[None, :] * stride_w1_k, mask=w_mask, other=0.0)
-            s_step = (k0 // SCALE_BLOCK_K) * stride_s1_k
-            sg = tl.load(sg_rows + s_step, mask=n_valid, other=0.0)
-            su = tl.load(su_rows + s_step, mask=n_valid, other=0.0)
-            gate += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg[None, :])
-            up += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su[None, :])
+            if X_PER_ROW:
+                gate = tl.dot(a, tl.trans(bg), gate)
+                up = tl.dot(a, tl.trans(bu), up)
+            else:
+                sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
+                s_step = (k0 // SCALE_BLOCK_K) * stride_s1_k
+                sg = tl.load(sg_rows + s_step, mask=n_valid, other=0.0)
+                su = tl.load(su_rows + s_step, mask=n_valid, other=0.0)
+                gate += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg[None, :])
+                up += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su[None, :])
+        if X_PER_ROW:
+            sa = tl.load(xs_rows, mask=row_valid, other=0.0)[:, None]
+            gate *= sa * tl.load(sg_rows, mask=n_valid, other=0.0)[None, :]
+            up *= sa * tl.load(su_rows, mask=n_valid, other=0.0)[None, :]
     return gate, up
 
 
@@ -145,14 +161,14 @@ def _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert
                       slice_id, H, I, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_ALPHA: tl.constexpr,
                       SWIGLU_LIMIT: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
-                      SCALE_BLOCK_K: tl.constexpr):
+                      SCALE_BLOCK_K: tl.constexpr, X_PER_ROW: tl.constexpr):
     """:func:`fused_moe_kernel._intermediate_16bit` from fp8 weights ``w1`` (an :class:`~.bundles.Fp8Weights`) and
     the sort's fp8 x, y in ``DTYPE``."""
     offs_n, n_valid, offs_r, r_valid = _slice_columns(slice_id, I, BLOCK_N)
     gate, up = _gate_up_fp8(x_q_ptr + token[:, None] * stride_xq_m, x_scale_ptr + token * stride_xs_m, row_valid,
                             w1.ptr + expert * w1.stride_e, w1.stride_n, w1.stride_k, offs_n, n_valid, offs_r, r_valid,
                             I, H, w1.scale_ptr + expert * w1.stride_scale_e, w1.stride_scale_n, w1.stride_scale_k,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, SCALE_BLOCK_N, SCALE_BLOCK_K)
+                            BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED, SCALE_BLOCK_N, SCALE_BLOCK_K, X_PER_ROW)
     y = _activated(gate, up, w1.bias_ptr, expert, w1.stride_bias_e, route_weight, offs_n, n_valid, I, w13_desc=None,
                    dtype=DTYPE, ACTIVATION=ACTIVATION, SWIGLU_ALPHA=SWIGLU_ALPHA, SWIGLU_LIMIT=SWIGLU_LIMIT,
                    GATE_UP_INTERLEAVED=GATE_UP_INTERLEAVED)
@@ -185,6 +201,7 @@ def _fused_fp8_kernel(
     FP8_SUBNORMAL_STEP: tl.constexpr,
     SCALE_BLOCK_N: tl.constexpr,  # weight rows per scale (both weights)
     SCALE_BLOCK_K: tl.constexpr,  # weight columns per scale
+    X_PER_ROW: tl.constexpr,  # x_scale [M, 1]: per-token activations (fmoe2/fp8.py), w1 scaled per channel or tensor
 ):
     """The fused path with fp8 weights (``operands.py``); BLOCK_K and BLOCK_N are one activation group."""
     dependent_launch_prologue(PDL)
@@ -200,7 +217,7 @@ def _fused_fp8_kernel(
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert, token,
                                            row_valid, route_weight, slice_id, H, I, DTYPE, ACTIVATION, SWIGLU_ALPHA,
                                            SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                           SCALE_BLOCK_N, SCALE_BLOCK_K)
+                                           SCALE_BLOCK_N, SCALE_BLOCK_K, X_PER_ROW)
     expected_adds = _expected_adds(final_out_ptr, topk_ids_ptr, expert_map_ptr, token, row_valid, num_global_experts,
                                    I, BLOCK_N, TOPK, NUM_EXPERTS)  # before the down loop, whose time hides it
     b2_expert = None
@@ -230,6 +247,7 @@ def _stage1_fp8_kernel(
     GROUP_M: tl.constexpr, PDL: tl.constexpr, IDS_PER_TOKEN: tl.constexpr,
     FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUBNORMAL_STEP: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+    X_PER_ROW: tl.constexpr,
 ):
     dependent_launch_prologue(PDL)
     expert, slice_id, offs_m, token, row_valid, route_weight = _sorted_program(
@@ -240,7 +258,7 @@ def _stage1_fp8_kernel(
     y, offs_n, n_valid = _intermediate_fp8(x_q_ptr, x_scale_ptr, stride_xq_m, stride_xs_m, w1, expert, token,
                                            row_valid, route_weight, slice_id, H, I, DTYPE, ACTIVATION, SWIGLU_ALPHA,
                                            SWIGLU_LIMIT, GATE_UP_INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                           SCALE_BLOCK_N, SCALE_BLOCK_K)
+                                           SCALE_BLOCK_N, SCALE_BLOCK_K, X_PER_ROW)
     y_scale_rows = None
     if y_scale_ptr is not None:
         y_scale_rows = y_scale_ptr + offs_m.to(tl.int64) * stride_ys_m
@@ -309,7 +327,8 @@ def fused_values(problem, target: Target, quantized_x: Optional[Tuple[torch.Tens
     :class:`~.bundles.Fp8Weights`, in place of the 16-bit path's ``w1`` and ``w2``), x
     quantized by the sort launch (``quantized_x``: ``(x_q, x_scale)``), the input dtype and the fp8 constants."""
     x_q, x_scale = quantized_x
-    return dict(_constants(problem, target), w1=_weights(problem.w1, problem.w1_scale, problem.w1_bias),
+    return dict(_constants(problem, target), X_PER_ROW=x_scale.shape[1] == 1 and problem.hidden_size > FP8_GROUP,
+                w1=_weights(problem.w1, problem.w1_scale, problem.w1_bias),
                 w2=_weights(problem.w2, problem.w2_scale, problem.w2_bias), x_q_ptr=x_q, x_scale_ptr=x_scale,
                 stride_xq_m=x_q.stride(0), stride_xs_m=x_scale.stride(0), DTYPE=_TL_DTYPES[problem.x.dtype])
 

@@ -22,7 +22,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import WEIGHT_FORMATS, WeightFormat, format_of_prepared
-from ..fp8 import FP8_GROUP, fp8_constexprs
+from ..fp8 import FP8_GROUP, fp8_constexprs, x_group
 from ..activations import SWIGLU_ALPHA
 from ..launch import LaunchSpec, kernel_parameters
 from ..sorting import MoESortingResult, max_busy_tiles, sort_launch_specs, sorting_buffers, x_quantization_values
@@ -656,7 +656,7 @@ def forward_buffers(problem: MoEProblem, config: FusedMoEConfig, target: Target,
     if problem.fp8:  # x quantized by the sort launch
         M, H = problem.num_tokens, problem.hidden_size
         buffers += [("x_q", problem.w1.dtype, (M, -(-H // 16) * 16)),
-                    ("x_scale", torch.float32, (M, triton.cdiv(H, FP8_GROUP)))]
+                    ("x_scale", torch.float32, (M, triton.cdiv(H, x_group(H, problem.w1_scale))))]
     if config.path == "two_stage":
         buffers += TwoStageWorkspace.buffers(problem, config.BLOCK_M, config, target)
     if accumulates_fp32(problem, config):
