@@ -199,8 +199,15 @@ def quantize_activations(v: torch.Tensor, dtype: torch.dtype, group: int = FP8_G
 
 def x_group(hidden_size: int, w1_scale: torch.Tensor) -> int:
     """Columns of x per activation scale in an fp8 forward: all of H where :data:`PER_TOKEN_ACTIVATIONS` is on and
-    ``w1_scale`` (its ``[E, Sn, Sk]`` view) is constant along K (per channel or per tensor), else FP8_GROUP."""
+    ``w1_scale`` (its ``[E, Sn, Sk]`` view) is constant along K (``Sk == 1``: per channel, per tensor, or blocks
+    as wide as H), else FP8_GROUP."""
     return hidden_size if PER_TOKEN_ACTIVATIONS and w1_scale.shape[-1] == 1 else FP8_GROUP
+
+
+def x_scales_per_row(x_scale: torch.Tensor, hidden_size: int) -> bool:
+    """Whether an fp8 forward's ``x_scale`` buffer (``[M, cdiv(H, x_group)]``) holds one scale a row of an x wider
+    than one group: the launches' one test of per-token activations (the sort's tile, the gate/up loop's scaling)."""
+    return x_scale.shape[1] == 1 and hidden_size > FP8_GROUP
 
 
 def fake_quantize_activations(v: torch.Tensor, dtype: torch.dtype, group: int = FP8_GROUP) -> torch.Tensor:
@@ -230,33 +237,18 @@ def _round_to_fp8_grid(v, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr
 
 
 @triton.jit
-def _abs_max_bits(v):
-    """[R] int32: the bits of each fp32 row's largest magnitude (NaN above inf), as :func:`_quantize_rows` takes
-    it; the maximum of two rows' is the joined row's."""
+def _quantize_rows(v, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                   SUBNORMAL_STEP: tl.constexpr):
+    """``(scaled [R, C] fp32, scale [R] fp32)`` of fp32 rows ``v``, one quantization group per row
+    (module docstring): ``scaled.to(fp8)`` is the quantized row, ``scale`` its dequantization scale.
+    SOFT_ROUNDING (the interpreter): ``scaled`` already on the fp8 grid (:func:`_round_to_fp8_grid`)."""
     # NaN propagates as through a 16-bit GEMM (tl.max, tl.maximum and tl.minimum drop it by default): a row
     # holding NaN gets the scale NaN and every element NaN; one holding +-inf gets the scale inf and NaN
     # where the inf was (inf * 0), so its products come out NaN too. Rows are independent. The row maximum
     # is taken on the bits: non-negative floats order as their int32 patterns, and NaN (sign cleared by abs: an
     # AND with 0x7fffffff on sm_90 and gfx942, Triton 3.9) lies above inf (a custom combine would do too, but runs
     # element by element in the interpreter).
-    return tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1)
-
-
-@triton.jit
-def _quantize_rows(v, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                   SUBNORMAL_STEP: tl.constexpr):
-    """``(scaled [R, C] fp32, scale [R] fp32)`` of fp32 rows ``v``, one quantization group per row
-    (module docstring): ``scaled.to(fp8)`` is the quantized row, ``scale`` its dequantization scale.
-    SOFT_ROUNDING (the interpreter): ``scaled`` already on the fp8 grid (:func:`_round_to_fp8_grid`)."""
-    return _quantize_rows_by(v, _abs_max_bits(v), FP8_MAX, SOFT_ROUNDING, MIN_NORMAL, SUBNORMAL_STEP)
-
-
-@triton.jit
-def _quantize_rows_by(v, amax_bits, FP8_MAX: tl.constexpr, SOFT_ROUNDING: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                      SUBNORMAL_STEP: tl.constexpr):
-    """:func:`_quantize_rows` of rows ``v`` that are part of longer rows, whose :func:`_abs_max_bits` is
-    ``amax_bits`` [R] (per-token quantization: the whole row's group)."""
-    amax = amax_bits.to(tl.float32, bitcast=True)
+    amax = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
     amax = tl.where(amax == 0.0, 1.0, amax)
     limit = tl.full(amax.shape, FP8_MAX, tl.float32)
     inv = tl.math.div_rn(limit, amax)  # (plain "/" may be approximate on GPUs)

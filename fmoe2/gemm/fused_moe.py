@@ -22,6 +22,7 @@ from ..launch import PlanCache, direct_launches, run_bound, tracing
 from ..activations import ACTIVATION_TABLE, ACTIVATIONS, SWIGLU_ALPHA
 from ..target import Target, target_of
 from ..formats import check_not_prepare_only, plain_format
+from .. import fp8 as _fp8
 from ..fp8 import FP8_DTYPES
 from .decode import one_launch_allowed
 from .config import PATHS, ConfigMode, ConfigProblem, FusedMoEConfig, device_config_name, resolve_config
@@ -437,6 +438,7 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         sources = [x.data_ptr(), tw.data_ptr(), ti.data_ptr(), w1t.data_ptr(), w2t.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
                    0, 0, 0, 0]
         key = (activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit, deterministic,
+               _fp8.PER_TOKEN_ACTIVATIONS,  # (fp8's experimental switch: a plan holds its quantization)
                # (written out: this runs on every call)
                x.shape, x.dtype, x.stride(), x.get_device(), w1t.shape, w1t.dtype, w1t.stride(), w1t.get_device(),
                w2t.shape, w2t.dtype, w2t.stride(), w2t.get_device(), tw.shape, tw.dtype, tw.stride(), tw.get_device(),

@@ -40,8 +40,8 @@ lora=...)``) one more program, the last, counts the tokens that have one (``num_
 the LoRA kernels read that count first, so a batch whose tokens all have -1 skips their adapter
 work. With fp8 weights (``QUANTIZE_X``, :func:`x_quantization_values`) up to
 ``MAX_X_QUANT_PROGRAMS`` programs after all others quantize ``hidden_states`` per token and group
-of 128 (``fmoe2/fp8.py``) into a buffer every GEMM program then reads: once per forward, not once
-per program, and no launch of its own.
+of 128 (``fmoe2/fp8.py``; per token over all of H with its experimental per-token activations) into a
+buffer every GEMM program then reads: once per forward, not once per program, and no launch of its own.
 
 Zeroing programs go after the expert programs because, launched before them, they delayed the
 sort; the counting pass makes one unsigned comparison per entry and loads full steps without a
@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from ..buffers import BufferLayout
-from ..fp8 import FP8_GROUP, _abs_max_bits, _quantize_rows, _quantize_rows_by
+from ..fp8 import FP8_GROUP, _quantize_rows, x_scales_per_row
 from ..grid_dependency import gdc_launch_dependents, gdc_wait
 from ..launch import BoundLaunch, LaunchSpec, PlanCache, bind_launches, direct_launches, run_bound, tracing
 from ..target import target_of
@@ -348,7 +348,7 @@ class XQuantization(NamedTuple):
 
     x_ptr: Any  # [M, H]
     x_q_ptr: Any  # [M, H] fp8
-    x_scale_ptr: Any  # [M, cdiv(H, X_GROUP)] float32
+    x_scale_ptr: Any  # [M, cdiv(H, X_GROUP)] float32 ([M, 1] with per-token activations: X_GROUP >= H)
     cols: Any  # H
     stride_x_m: Any
     stride_xq_m: Any
@@ -356,57 +356,25 @@ class XQuantization(NamedTuple):
 
 @triton.jit
 def _quantize_x_rows(xq, num_x_rows, quant_pid, num_quant_programs, X_ROWS: tl.constexpr, X_GROUP: tl.constexpr,
-                     X_PER_ROW: tl.constexpr, FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr,
-                     FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr):
+                     FP8_MAX: tl.constexpr, SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
+                     FP8_SUBNORMAL_STEP: tl.constexpr):
     """One quantizing program: ``X_ROWS`` x ``X_GROUP`` tiles of x in turn, each row's group quantized
     (``fmoe2/fp8.py``) into ``xq.x_q_ptr`` and its scale into ``xq.x_scale_ptr [rows, cdiv(xq.cols, X_GROUP)]``
-    (``xq``: an :class:`XQuantization`). X_PER_ROW (per-token activations): each row quantized as one group,
-    its scale into ``xq.x_scale_ptr [rows, 1]``: ``X_ROWS`` rows in turn, read twice in X_GROUP-wide tiles (their
-    largest magnitude, then the quantized values)."""
+    (``xq``: an :class:`XQuantization`)."""
     x_ptr, x_q_ptr, x_scale_ptr, x_cols, stride_x_m, stride_xq_m = xq
     groups = tl.cdiv(x_cols, X_GROUP)
-    items = tl.cdiv(num_x_rows, X_ROWS) * (1 if X_PER_ROW else groups)
+    items = tl.cdiv(num_x_rows, X_ROWS) * groups
     for item in range(quant_pid, items, num_quant_programs):
-        if X_PER_ROW:
-            rows = item * X_ROWS + tl.arange(0, X_ROWS)
-            row_valid = rows < num_x_rows
-            rows = rows.to(tl.int64)
-            amax_bits = tl.zeros([X_ROWS], dtype=tl.int32)
-            for group in range(0, groups):
-                v = _x_tile(x_ptr, rows, row_valid, group, x_cols, stride_x_m, X_GROUP)
-                amax_bits = tl.maximum(amax_bits, _abs_max_bits(v))
-            scale = tl.zeros([X_ROWS], dtype=tl.float32)  # (the row's, the same from every tile)
-            for group in range(0, groups):
-                v = _x_tile(x_ptr, rows, row_valid, group, x_cols, stride_x_m, X_GROUP)
-                scaled, scale = _quantize_rows_by(v, amax_bits, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL,
-                                                  FP8_SUBNORMAL_STEP)
-                _store_x_tile(x_q_ptr, scaled, rows, row_valid, group, x_cols, stride_xq_m, X_GROUP)
-            tl.store(x_scale_ptr + rows, scale, mask=row_valid)
-        else:
-            rows = (item // groups) * X_ROWS + tl.arange(0, X_ROWS)
-            group = item % groups
-            row_valid = rows < num_x_rows
-            rows = rows.to(tl.int64)
-            v = _x_tile(x_ptr, rows, row_valid, group, x_cols, stride_x_m, X_GROUP)
-            scaled, scale = _quantize_rows(v, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
-            _store_x_tile(x_q_ptr, scaled, rows, row_valid, group, x_cols, stride_xq_m, X_GROUP)
-            tl.store(x_scale_ptr + rows * groups + group, scale, mask=row_valid)
-
-
-@triton.jit
-def _x_tile(x_ptr, rows, row_valid, group, x_cols, stride_x_m, X_GROUP: tl.constexpr):
-    """fp32 [X_ROWS, X_GROUP] tile of x at int64 ``rows`` and column group ``group`` (zeros past the rows and H)."""
-    cols = group * X_GROUP + tl.arange(0, X_GROUP)
-    mask = row_valid[:, None] & (cols < x_cols)[None, :]
-    return tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_x_tile(x_q_ptr, scaled, rows, row_valid, group, x_cols, stride_xq_m, X_GROUP: tl.constexpr):
-    """Stores a quantized tile of :func:`_x_tile`'s place into ``x_q``."""
-    cols = group * X_GROUP + tl.arange(0, X_GROUP)
-    mask = row_valid[:, None] & (cols < x_cols)[None, :]
-    tl.store(x_q_ptr + rows[:, None] * stride_xq_m + cols[None, :], scaled.to(x_q_ptr.dtype.element_ty), mask=mask)
+        rows = (item // groups) * X_ROWS + tl.arange(0, X_ROWS)
+        group = item % groups
+        cols = group * X_GROUP + tl.arange(0, X_GROUP)
+        row_valid = rows < num_x_rows
+        rows = rows.to(tl.int64)
+        mask = row_valid[:, None] & (cols < x_cols)[None, :]
+        v = tl.load(x_ptr + rows[:, None] * stride_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scaled, scale = _quantize_rows(v, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+        tl.store(x_q_ptr + rows[:, None] * stride_xq_m + cols[None, :], scaled.to(x_q_ptr.dtype.element_ty), mask=mask)
+        tl.store(x_scale_ptr + rows * groups + group, scale, mask=row_valid)
 
 
 @triton.jit
@@ -557,7 +525,6 @@ def _moe_sorting_kernel(
     QUANTIZE_X: tl.constexpr = False,
     X_ROWS: tl.constexpr = 16,
     X_GROUP: tl.constexpr = 128,
-    X_PER_ROW: tl.constexpr = False,  # per-token activations (fmoe2/fp8.py): one scale a row
     FP8_MAX: tl.constexpr = 448.0,
     SOFT_FP8_ROUNDING: tl.constexpr = False,
     FP8_MIN_NORMAL: tl.constexpr = 0.015625,
@@ -577,7 +544,7 @@ def _moe_sorting_kernel(
         first_quant = num_sort_programs + num_zero_programs + COUNT_LORA_TOKENS
         if pid >= first_quant:
             _quantize_x_rows(x_quantization, num_entries // TOPK, pid - first_quant, num_quant_programs, X_ROWS,
-                             X_GROUP, X_PER_ROW, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
+                             X_GROUP, FP8_MAX, SOFT_FP8_ROUNDING, FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
             return
     if COUNT_LORA_TOKENS:
         if pid == num_sort_programs + num_zero_programs:
@@ -895,21 +862,27 @@ def sorting_kernel_launch(topk_ids, topk_weights, num_experts: int, expert_map, 
 
 
 X_QUANT_ROWS = 16  # rows of x per quantizing step
+# Per-token activations: the values of x one quantizing step holds, whole rows (DeepSeek-V3's 7168 take a tile of
+# 8192: 64 float32 registers a thread at 4 warps), so each row is read once, in one load
+PER_ROW_TILE_ELEMENTS = 8192
 MAX_X_QUANT_PROGRAMS = 1024
 
 
 def x_quantization_values(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, fp8_consts: dict
                           ) -> Tuple[dict, dict]:
     """``(args, constexprs)`` of the sort launch's x-quantizing programs: ``x [M, H]`` into ``x_q`` and
-    ``x_scale [M, cdiv(H, FP8_GROUP)]``, or ``[M, 1]`` (per-token activations: ``fmoe2.fp8.x_group``), with
+    ``x_scale [M, cdiv(H, FP8_GROUP)]``, or ``[M, 1]`` (per-token activations, ``fmoe2.fp8.x_group``: a row's tile
+    is the whole row, X_ROWS rows of up to PER_ROW_TILE_ELEMENTS values a program step, one load and one pass), with
     ``fp8_consts`` (``fmoe2.fp8.fp8_constexprs``)."""
     M, H = x.shape
-    per_row = x_scale.shape[1] == 1 and H > FP8_GROUP
-    items = triton.cdiv(M, X_QUANT_ROWS) * (1 if per_row else triton.cdiv(H, FP8_GROUP))
+    rows, group = X_QUANT_ROWS, FP8_GROUP
+    if x_scales_per_row(x_scale, H):
+        group = triton.next_power_of_2(H)
+        rows = max(1, PER_ROW_TILE_ELEMENTS // group)
+    items = triton.cdiv(M, rows) * triton.cdiv(H, group)
     args = dict(x_quantization=XQuantization(x, x_q, x_scale, H, x.stride(0), x_q.stride(0)),
                 num_quant_programs=min(items, MAX_X_QUANT_PROGRAMS))
-    constexprs = dict(QUANTIZE_X=True, X_ROWS=X_QUANT_ROWS, X_GROUP=FP8_GROUP, X_PER_ROW=per_row,
-                      FP8_MAX=fp8_consts["FP8_MAX"],
+    constexprs = dict(QUANTIZE_X=True, X_ROWS=rows, X_GROUP=group, FP8_MAX=fp8_consts["FP8_MAX"],
                       SOFT_FP8_ROUNDING=fp8_consts["SOFT_FP8_ROUNDING"], FP8_MIN_NORMAL=fp8_consts["FP8_MIN_NORMAL"],
                       FP8_SUBNORMAL_STEP=fp8_consts["FP8_SUBNORMAL_STEP"])
     return args, constexprs

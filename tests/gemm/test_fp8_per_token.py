@@ -10,7 +10,7 @@ import triton.language as tl
 import fmoe2
 from fmoe2 import fp8, fused_moe, prepare_weights
 from fmoe2.gemm.fused_moe import PLANS, plan_of
-from fmoe2.sorting.moe_sorting import XQuantization, _quantize_x_rows
+from fmoe2.sorting.moe_sorting import _quantize_x_rows, x_quantization_values
 from helpers import DEVICE, poisoned, rel_error
 from test_fp8 import DTYPE, FP8, _check, _fp8_problem, needs_fp8
 
@@ -25,9 +25,10 @@ def per_token(monkeypatch):
 
 
 def _outliers(x):
-    """x with one large column (per-token scales then differ much from per-group ones)."""
+    """x with one large column (per-token scales then differ much from per-group ones), of a different size in each
+    row (so a row read with another row's scale shows)."""
     x = x.float().clone()
-    x[:, 3] = 40.0
+    x[:, 3] = 40.0 * (1 + torch.arange(x.shape[0], device=x.device))
     return x.to(DTYPE)
 
 
@@ -56,41 +57,53 @@ def test_per_token_forward_matches_the_per_token_reference(per_token, scheme, pa
 
 
 @triton.jit
-def _quantize_x_kernel(xq, num_rows, num_programs, X_PER_ROW: tl.constexpr, FP8_MAX: tl.constexpr,
+def _quantize_x_kernel(xq, num_rows, num_programs, X_ROWS: tl.constexpr, X_GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
                        SOFT_FP8_ROUNDING: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_STEP: tl.constexpr):
-    """The sort launch's x-quantizing programs alone (``xq``: an XQuantization), 16 rows and 128 columns a tile."""
-    _quantize_x_rows(xq, num_rows, tl.program_id(0), num_programs, 16, 128, X_PER_ROW, FP8_MAX, SOFT_FP8_ROUNDING,
+    """The sort launch's x-quantizing programs alone (``xq``: an XQuantization), with the launch's tile."""
+    _quantize_x_rows(xq, num_rows, tl.program_id(0), num_programs, X_ROWS, X_GROUP, FP8_MAX, SOFT_FP8_ROUNDING,
                      FP8_MIN_NORMAL, FP8_SUBNORMAL_STEP)
 
 
 @needs_fp8
+@pytest.mark.parametrize("H", [328, 100, 7168])
 @pytest.mark.parametrize("per_row", [True, False], ids=["per-token", "per-group"])
-def test_the_sorts_x_quantization_is_its_torch_mirror_bit_for_bit(per_row):
-    # 21 rows (a partial block of 16), H = 328 (three 128-column tiles, the last partial), one large column and a
-    # zero row (scale 1); per token the row's tiles share one scale, read in a first pass
-    M, H = 21, 328
+def test_the_sorts_x_quantization_is_its_torch_mirror_bit_for_bit(per_row, H):
+    # 21 rows, rows of different sizes, one large column and a zero row (scale 1); per token a row is one tile of
+    # the next power of two (H = 328: 512, masked past H; 7168, DeepSeek-V3's: 8192), per group 128-column tiles.
+    # The launch's values (x_quantization_values) pick the tile from x_scale's shape.
+    M = 21
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(M, H, generator=gen) * torch.logspace(-2, 2, M)[:, None]
-    x[:, 3] = 40.0
+    x[:, 3] = 40.0 * (1 + torch.arange(M))
     x[5] = 0.0
     group = H if per_row else 128
     want_q, want_s = fp8.quantize_activations(x, FP8, group=group)
     x_dev = x.to(DEVICE)
     x_q = torch.empty(M, H, dtype=FP8, device=DEVICE)
     x_scale = torch.full((M, triton.cdiv(H, group)), float("nan"), device=DEVICE)
-    consts = fp8.fp8_constexprs(FP8, interpreter=DEVICE != "cuda")
-    xq = XQuantization(x_dev, x_q, x_scale, H, x_dev.stride(0), x_q.stride(0))
-    _quantize_x_kernel[(3,)](xq, M, 3, per_row, consts["FP8_MAX"], consts["SOFT_FP8_ROUNDING"],
-                             consts["FP8_MIN_NORMAL"], consts["FP8_SUBNORMAL_STEP"])
+    args, constexprs = x_quantization_values(x_dev, x_q, x_scale, fp8.fp8_constexprs(FP8, DEVICE != "cuda"))
+    assert constexprs["X_GROUP"] == (triton.next_power_of_2(H) if per_row and H > 128 else 128)
+    programs = args["num_quant_programs"]
+    _quantize_x_kernel[(programs,)](args["x_quantization"], M, programs, constexprs["X_ROWS"], constexprs["X_GROUP"],
+                                    constexprs["FP8_MAX"], constexprs["SOFT_FP8_ROUNDING"],
+                                    constexprs["FP8_MIN_NORMAL"], constexprs["FP8_SUBNORMAL_STEP"])
     assert torch.equal(x_scale.cpu(), want_s)
-    mismatches = (x_q.cpu().view(torch.uint8) != want_q.view(torch.uint8)).sum().item()
-    # (the interpreter's soft rounding breaks exact ties away from even: rare, test_fp8.py's mirror test says)
-    assert mismatches <= (M * H // 1000 if DEVICE != "cuda" else 0), mismatches
+    got, want = x_q.cpu().view(torch.uint8).int(), want_q.view(torch.uint8).int()
+    if DEVICE == "cuda":
+        assert torch.equal(got, want)
+        return
+    # The interpreter's soft rounding (test_fp8.py's mirror test) gives +0 for a tiny negative value (the mirror -0),
+    # and breaks an exact tie away from even: then the neighbouring code of the same sign, rarely
+    zeros = ((got & 127) == 0) & ((want & 127) == 0)
+    mismatches = (got != want) & ~zeros
+    assert mismatches.sum().item() <= M * H // 500, mismatches.sum().item()
+    assert ((got - want)[mismatches].abs() == 1).all() and ((got ^ want)[mismatches] < 128).all()
 
 
 @needs_fp8
 def test_block_scaled_weights_keep_per_group_activations(per_token):
-    # Per-token activations need weight scales constant along K: block-scaled weights keep 128-column groups
+    # Per-token activations need weight scales constant along K: weights with several blocks along H keep 128-column
+    # groups
     x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(9, 5, 328, 136, 2, "block", seed=6)
     out = poisoned(9, 328, DTYPE)
     fused_moe(x, w1, w2, tw, ti, out=out, **scales)
