@@ -437,13 +437,15 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         # (slots in call.INPUT_SOURCES order: tests/gemm/test_call.py)
         sources = [x.data_ptr(), tw.data_ptr(), ti.data_ptr(), w1t.data_ptr(), w2t.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0,
                    0, 0, 0, 0]
-        key = (activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit, deterministic,
+        # (the five pointers' alignment first, at BASE_KEY_ALIGNED, where a field added to the key cannot move it)
+        key = ((sources[0] | sources[1] | sources[2] | sources[3] | sources[4]) % 16 == 0,
+               activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit, deterministic,
                _fp8.PER_TOKEN_ACTIVATIONS,  # (fp8's experimental switch: a plan holds its quantization)
                # (written out: this runs on every call)
                x.shape, x.dtype, x.stride(), x.get_device(), w1t.shape, w1t.dtype, w1t.stride(), w1t.get_device(),
                w2t.shape, w2t.dtype, w2t.stride(), w2t.get_device(), tw.shape, tw.dtype, tw.stride(), tw.get_device(),
                ti.shape, ti.dtype, ti.stride(), ti.get_device(),
-               (sources[0] | sources[1] | sources[2] | sources[3] | sources[4]) % 16 == 0)
+               True)  # (the last field: the other pointers' alignment; a call with none of them has no other)
         if out is None and expert_map is None and lora is None and token_lora_ids is None and w1_bias is None \
                 and w2_bias is None and w1_scale is None and w2_scale is None:
             return key, sources
@@ -476,12 +478,12 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         for ptr in sources[5:]:
             aligned |= ptr
         extra.append(aligned % 16 == 0)
-        return key + tuple(extra), sources
+        return key[:-1] + tuple(extra), sources
     except (AttributeError, TypeError):  # not tensors: validation names the argument
         return None
 
 
-BASE_KEY_ALIGNED = 28  # where the base key holds the alignment of the five pointers every call has
+BASE_KEY_ALIGNED = 0  # where the base key holds the alignment of the five pointers every call has
 
 
 def key_aligned(key: tuple) -> bool:

@@ -12,7 +12,7 @@ from fmoe2 import fused_moe, prepare_lora, prepare_weights
 from fmoe2.activations import SWIGLU_ALPHA
 from fmoe2.gemm.call import (INPUT_SOURCES, KEYWORDS, LEAVES, OP_ORDER, OUT_SOURCE, REQUIRED_SOURCES, MoECall,
                              checked_sources, op_schema)
-from fmoe2.gemm.fused_moe import BASE_KEY_ALIGNED, call_key
+from fmoe2.gemm.fused_moe import BASE_KEY_ALIGNED, call_key, key_aligned
 from helpers import make_lora, make_problem, make_token_lora_ids
 
 
@@ -87,4 +87,21 @@ def test_call_key_writes_each_address_in_the_slot_the_description_names():
     assert addresses == [t.data_ptr() for t in tensors], INPUT_SOURCES
     assert INPUT_SOURCES[OUT_SOURCE] == "out" and REQUIRED_SOURCES == 5  # (call_key's base key covers the first 5)
     assert set(INPUT_SOURCES[:REQUIRED_SOURCES]) == {"hidden_states", "w1", "w2", "topk_weights", "topk_ids"}
-    assert key[BASE_KEY_ALIGNED] in (True, False)
+    assert key[BASE_KEY_ALIGNED] is True and key_aligned(key)
+
+
+@pytest.mark.parametrize("given", [(), ("out",), ("out", "expert_map")])
+def test_call_key_tells_aligned_calls_from_calls_with_a_pointer_off_16_bytes(given):
+    # Only a call whose every pointer is 16-byte aligned may run launches bound to another call's pointers (the
+    # JIT specialises alignment): one input or output 2 bytes off must read as unaligned, whatever the key holds.
+    x, w1, w2, tw, ti = make_problem(5, 4, 32, 16, 2, torch.float16)
+    extra = {"out": torch.empty_like(x), "expert_map": torch.arange(4, dtype=torch.int32)}
+    arguments = dict(MoECall.bind(x, w1, w2, tw, ti, **{k: extra[k] for k in given}).arguments())
+    assert key_aligned(call_key(**arguments)[0])
+    for name in ("hidden_states", "w1", "topk_weights") + tuple(given):
+        tensor = arguments[name]
+        off = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)[1:].view(tensor.shape)  # (2 or 4 bytes off)
+        off.copy_(tensor)
+        key = call_key(**dict(arguments, **{name: off}))[0]
+        assert not key_aligned(key), name
+        assert key[BASE_KEY_ALIGNED] is (name in given), name  # (the five every call has: at the fixed place)
