@@ -129,7 +129,9 @@ def _rows(result: dict) -> List[dict]:
 
 def loso(result: dict) -> List[dict]:
     """Per held-out shape and point: the refit rule's label (fitted without the shape's model, every slice of it)
-    and its time over the tuned entry's, and the shipped rules' (``defaults``) over it."""
+    and its time over the tuned entry's, and the shipped rules' (``defaults``) over it; ``own_over_tuned``: the
+    shape's own tuned entry timed again as a candidate (the config ``auto`` runs, under another label) over
+    ``auto``'s time, the spread of the point's timing (None where it was not a candidate)."""
     rows = _rows(result)
     bounds = result["rule_bounds"]
     by_range: Dict[int, List[dict]] = {}
@@ -141,9 +143,12 @@ def loso(result: dict) -> List[dict]:
             auto = _time(r, "auto")
             fit = fit_range(by_range[rule_range(bounds, r["tokens_per_expert"])], model_of(shape))
             t = _time(r, fit[0]) if fit else None
+            own = _time(r, f"{TUNED_PREFIX}{shape}@{r['M']}") if f"{TUNED_PREFIX}{shape}@{r['M']}" in r[
+                "candidates"] else None
             out.append(dict(shape=shape, M=r["M"], tokens_per_expert=r["tokens_per_expert"], auto_us=auto,
                             refit=fit[0] if fit else None, refit_us=t,
                             refit_over_tuned=t / auto if t and auto else None,
+                            own_over_tuned=own / auto if own and auto else None,
                             defaults_over_tuned=_time(r, "defaults") / auto if _time(r, "defaults") and auto
                             else None))
     return out
@@ -204,22 +209,29 @@ def markdown(result: dict) -> str:
              "geometric mean of its time over the tuned entry's; a tensor-parallel slice is held out with its model's "
              "other slices), then timed on the held-out shape in the same run. "
              f"Ratios: time over the shape's tuned entry (`auto`); the bar is {BAR:.2f}x. `defaults`: the shipped "
-             "rules, chosen with every shape.", "",
-             "| held-out shape | M | rows/expert | tuned (us) | refit rule | refit / tuned | defaults / tuned |",
-             "|---|---|---|---|---|---|---|"]
+             "rules, chosen with every shape. `own again`: the tuned entry's config timed again as a candidate, "
+             "the same config under another label: how far apart one config's times come in this run.", "",
+             "| held-out shape | M | rows/expert | tuned (us) | refit rule | refit / tuned | defaults / tuned | "
+             "own again / tuned |",
+             "|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     for h in held:
         mark = " **over**" if h["refit_over_tuned"] is not None and h["refit_over_tuned"] > BAR else ""
         lines.append(f"| {h['shape']} | {h['M']} | {h['tokens_per_expert']:g} | "
                      f"{h['auto_us']:.1f} | {h['refit'] or '-'} | {fmt(h['refit_over_tuned'])}{mark} | "
-                     f"{fmt(h['defaults_over_tuned'])} |" if h["auto_us"] else
-                     f"| {h['shape']} | {h['M']} | {h['tokens_per_expert']:g} | - | - | - | - |")
+                     f"{fmt(h['defaults_over_tuned'])} | {fmt(h['own_over_tuned'])} |" if h["auto_us"] else
+                     f"| {h['shape']} | {h['M']} | {h['tokens_per_expert']:g} | - | - | - | - | - |")
     worst = [h for h in held if h["refit_over_tuned"] is not None]
     if worst:
         over = [h for h in worst if h["refit_over_tuned"] > BAR]
         top = max(worst, key=lambda h: h["refit_over_tuned"])
         lines += ["", f"Worst held-out point: {top['shape']} M={top['M']}, {top['refit_over_tuned']:.2f}x; "
                   f"{len(over)} of {len(worst)} points over {BAR:.2f}x."]
+        again = [h["own_over_tuned"] for h in held if h["own_over_tuned"] is not None]
+        if again:
+            lines.append(f"The tuned entries timed again as candidates: {min(again):.2f}-{max(again):.2f}x their "
+                         f"`auto` time ({sum(abs(a - 1) > 0.03 for a in again)} of {len(again)} more than 3% "
+                         "apart).")
     lines += ["", "The rules the fit on every shape picks (a proposal, not shipped):", "",
               "| rows per expert up to | candidate | geomean over tuned | points |", "|---|---|---|---|"]
     for p in proposal(result):

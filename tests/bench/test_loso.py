@@ -63,7 +63,7 @@ def _result():
             # Range 1: two shapes, each refit on the other alone: b's entry (1.0 at b, vLLM's tiles 1.075) runs 1.3x at a.
             _row("a", 128, 64.0, {"auto": 100.0, "defaults": 104.0, "tuned:a@128": 100.0, "tuned:b@128": 130.0,
                                   "vllm-tiles/fused": 115.0}),
-            _row("b", 128, 64.0, {"auto": 200.0, "defaults": 230.0, "tuned:a@128": 190.0, "tuned:b@128": 200.0,
+            _row("b", 128, 64.0, {"auto": 200.0, "defaults": 230.0, "tuned:a@128": 190.0, "tuned:b@128": 210.0,
                                   "vllm-tiles/fused": 215.0})]
     entries = {f"tuned:{n}@{m}": dict(shape=n, M=m, tokens_per_expert=0.5 if m == 1 else 64.0, config={"BLOCK_M": m})
                for n in "abc" for m in (1, 128)}
@@ -104,9 +104,11 @@ def test_only_shapes_with_a_tuned_file_take_part_and_a_models_slices_are_held_ou
 
 def test_report_names_the_points_over_the_bar():
     report = markdown(_result())
-    assert "| a | 128 | 64 | 100.0 | tuned:b@128 | 1.30 **over** | 1.04 |" in report
-    assert "| b | 1 | 0.5 | 20.0 | tuned:a@1 | 0.95 | 1.05 |" in report
+    assert "| a | 128 | 64 | 100.0 | tuned:b@128 | 1.30 **over** | 1.04 | 1.00 |" in report
+    assert "| b | 1 | 0.5 | 20.0 | tuned:a@1 | 0.95 | 1.05 | 1.00 |" in report  # (b's entry: aliased to auto)
+    assert "| b | 128 | 64 | 200.0 | tuned:a@128 | 0.95 | 1.15 | 1.05 |" in report
     assert "Worst held-out point: a M=128, 1.30x; 1 of 5 points over 1.10x." in report
+    assert "timed again as candidates: 1.00-1.05x their `auto` time (1 of 5 more than 3% apart)" in report
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the benchmark needs a GPU")
