@@ -140,7 +140,8 @@ def fused_moe_reference(
 
     fp8 weights (with ``w1_scale``/``w2_scale``, or prepared): the weights dequantized, and the
     activations quantized as the kernels do (``fmoe2/fp8.py``): ``x`` per token and group of 128
-    along H (per token over all of H with per-token activations: ``fp8.x_group``); the intermediate after the routing weight, rounded to the input dtype, along I.
+    along H (per token over all of H with per-token activations: ``fp8.x_group``); the intermediate
+    after the routing weight, rounded to the input dtype, along I.
 
     With ``lora`` (:class:`fmoe2.MoELoRA` or its prepared form) and ``token_lora_ids`` ``[M]``,
     a token with adapter ``l`` in ``[0, max_loras)`` adds ``s_l * (v A[l,e]^T) B[l,e]^T`` to each

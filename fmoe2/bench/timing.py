@@ -53,14 +53,18 @@ def time_graphs_in_turns(fns: Dict[str, Callable[[], object]], rounds: int, call
                          replays: int) -> Dict[str, float]:
     """Median us per call of each of ``fns``, all captured first (``calls`` calls per CUDA graph), then
     ``replays`` replays of each per round, the graphs taking turns over ``rounds`` rounds (a clock drift reaches
-    every variant alike), every other round in reverse order (no variant is always first in its round: a place
-    in the round reaches every variant alike too: one config under two labels, one of them always first, came out
-    up to 9% apart in a run of 2026-11-29, H200, M = 1024-4096); cheaper than :func:`time_interleaved`,
-    which captures again every round."""
+    every variant alike), each round starting ``len(fns) / rounds`` variants further on (round i at variant
+    ``i * n // rounds``), so no variant holds the same place in every round: one config under two labels, one of them
+    always first, came out up to 9% apart in a run of 2026-11-29 (H200, M = 1024-4096), and still up to 8% with every
+    other round reversed (the first variant then last, the others in the middle both times); cheaper than
+    :func:`time_interleaved`, which captures again every round."""
     graphs = {name: capture_graph(fn, calls=calls, warmup_calls=2) for name, fn in fns.items()}
     times = {name: [] for name in fns}
+    names = list(graphs)
     for i in range(rounds):
-        for name, graph in (reversed(graphs.items()) if i % 2 else graphs.items()):
+        start = i * len(names) // rounds
+        for name in names[start:] + names[:start]:
+            graph = graphs[name]
             graph.replay()  # warm
             torch.cuda.synchronize()
             times[name] += replay_times(graph, calls, replays)

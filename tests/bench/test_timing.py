@@ -13,17 +13,21 @@ class _Graph:
         pass
 
 
-def test_graphs_take_turns_every_other_round_in_reverse(monkeypatch):
-    # Each round replays every graph once as a warm-up then times it; odd rounds go in reverse, so no variant
-    # holds the first place of every round. The medians are each graph's own times.
+def test_each_round_starts_further_on_so_no_graph_keeps_its_place(monkeypatch):
+    # Each round replays every graph once as a warm-up then times it; round i starts at graph i * n // rounds, so
+    # no variant holds the same place in every round. The medians are each graph's own times.
     log = []
     monkeypatch.setattr(timing, "capture_graph", lambda fn, calls, warmup_calls: _Graph(fn(), log))
     monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
-    speed = {"a": 1.0, "b": 2.0, "c": 3.0}
+    speed = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
     monkeypatch.setattr(timing, "replay_times", lambda graph, calls, replays: (
         log.append(("time", graph.name)) or [speed[graph.name]] * replays))
-    fns = {name: (lambda name=name: name) for name in "abc"}
-    assert timing.time_graphs_in_turns(fns, rounds=3, calls=2, replays=4) == speed
+    fns = {name: (lambda name=name: name) for name in "abcd"}
+    assert timing.time_graphs_in_turns(fns, rounds=2, calls=2, replays=4) == speed
     timed = [name for kind, name in log if kind == "time"]
-    assert timed == list("abc") + list("cba") + list("abc")
+    assert timed == list("abcd") + list("cdab")
     assert [name for kind, name in log if kind == "warm"] == timed
+    log.clear()
+    timing.time_graphs_in_turns(fns, rounds=4, calls=2, replays=4)
+    rounds = ["".join(name for kind, name in log if kind == "time")[i:i + 4] for i in range(0, 16, 4)]
+    assert rounds == ["abcd", "bcda", "cdab", "dabc"]  # (as many rounds as graphs: each place once)

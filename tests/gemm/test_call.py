@@ -2,7 +2,7 @@
 op's schema and packing, and the plan's inputs are read; ``call_key`` (hand-written for speed) writes its
 addresses in the order the description gives. No kernel runs here."""
 import inspect
-from dataclasses import MISSING
+from dataclasses import MISSING, replace
 from types import SimpleNamespace
 
 import pytest
@@ -90,18 +90,45 @@ def test_call_key_writes_each_address_in_the_slot_the_description_names():
     assert key[BASE_KEY_ALIGNED] is True and key_aligned(key)
 
 
-@pytest.mark.parametrize("given", [(), ("out",), ("out", "expert_map")])
-def test_call_key_tells_aligned_calls_from_calls_with_a_pointer_off_16_bytes(given):
+def _off_16_bytes(tensor):
+    """A copy of ``tensor`` whose address is one element (2 or 4 bytes) past a 16-byte boundary."""
+    off = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)[1:].view(tensor.shape)
+    return off.copy_(tensor)
+
+
+def _every_source_given():
+    x, w1, w2, tw, ti = make_problem(5, 4, 32, 16, 2, torch.float16)
+    return dict(MoECall.bind(
+        x, w1, w2, tw, ti, lora=prepare_lora(make_lora(2, 4, 32, 16, 8, torch.float16)),
+        out=torch.empty_like(x), expert_map=torch.arange(4, dtype=torch.int32),
+        token_lora_ids=make_token_lora_ids(5, 2),
+        w1_bias=torch.randn(4, 32, dtype=torch.float16), w2_bias=torch.randn(4, 32, dtype=torch.float16),
+        w1_scale=torch.ones(4), w2_scale=torch.ones(4)).arguments())
+
+
+@pytest.mark.parametrize("source", INPUT_SOURCES)
+def test_call_key_reads_a_call_with_any_pointer_off_16_bytes_as_unaligned(source):
     # Only a call whose every pointer is 16-byte aligned may run launches bound to another call's pointers (the
-    # JIT specialises alignment): one input or output 2 bytes off must read as unaligned, whatever the key holds.
+    # JIT specialises alignment): any one input or output 2 or 4 bytes off must read as unaligned.
+    arguments = _every_source_given()
+    assert key_aligned(call_key(**arguments)[0])
+    if source.startswith("lora."):
+        part = source.split(".")[1]
+        lora = arguments["lora"]
+        moved = dict(arguments, lora=replace(lora, **{part: _off_16_bytes(getattr(lora, part))}))
+    else:
+        moved = dict(arguments, **{source: _off_16_bytes(arguments[source])})
+    key = call_key(**moved)[0]
+    assert not key_aligned(key), source
+    # (the five every call has: at the fixed place BASE_KEY_ALIGNED)
+    assert key[BASE_KEY_ALIGNED] is (INPUT_SOURCES.index(source) >= REQUIRED_SOURCES), source
+
+
+@pytest.mark.parametrize("given", [(), ("out",), ("expert_map",), ("out", "expert_map")])
+def test_call_key_of_fewer_optional_tensors_reads_alignment_alike(given):
     x, w1, w2, tw, ti = make_problem(5, 4, 32, 16, 2, torch.float16)
     extra = {"out": torch.empty_like(x), "expert_map": torch.arange(4, dtype=torch.int32)}
     arguments = dict(MoECall.bind(x, w1, w2, tw, ti, **{k: extra[k] for k in given}).arguments())
     assert key_aligned(call_key(**arguments)[0])
-    for name in ("hidden_states", "w1", "topk_weights") + tuple(given):
-        tensor = arguments[name]
-        off = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)[1:].view(tensor.shape)  # (2 or 4 bytes off)
-        off.copy_(tensor)
-        key = call_key(**dict(arguments, **{name: off}))[0]
-        assert not key_aligned(key), name
-        assert key[BASE_KEY_ALIGNED] is (name in given), name  # (the five every call has: at the fixed place)
+    for name in ("hidden_states", "w2", "topk_ids") + tuple(given):
+        assert not key_aligned(call_key(**dict(arguments, **{name: _off_16_bytes(arguments[name])}))[0]), name
