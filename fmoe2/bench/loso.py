@@ -143,8 +143,8 @@ def loso(result: dict) -> List[dict]:
             auto = _time(r, "auto")
             fit = fit_range(by_range[rule_range(bounds, r["tokens_per_expert"])], model_of(shape))
             t = _time(r, fit[0]) if fit else None
-            own = _time(r, f"{TUNED_PREFIX}{shape}@{r['M']}") if f"{TUNED_PREFIX}{shape}@{r['M']}" in r[
-                "candidates"] else None
+            own_label = f"{TUNED_PREFIX}{shape}@{r['M']}"
+            own = _time(r, own_label) if own_label in r["candidates"] else None
             out.append(dict(shape=shape, M=r["M"], tokens_per_expert=r["tokens_per_expert"], auto_us=auto,
                             refit=fit[0] if fit else None, refit_us=t,
                             refit_over_tuned=t / auto if t and auto else None,
