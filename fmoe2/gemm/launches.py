@@ -178,7 +178,7 @@ def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, target: Target) -> 
     """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared 16-bit
     weights (rows padded to 16 bytes, as descriptors need) on a target whose backend's rules take them
     (``tensor_descriptor_weights`` of ``config_cuda.py`` / ``config_hip.py``: CUDA sm_90 and newer, and the
-    interpreter of a CUDA build). fp32 (a testing dtype) keeps
+    interpreter). fp32 (a testing dtype) keeps
     pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90.
     fp8 and 4-bit weights keep pointer loads (descriptors not measured with them yet)."""
     return (config.tma and BACKENDS[target.backend].tensor_descriptor_weights(target) and problem.gate_up_interleaved

@@ -42,12 +42,9 @@ def test_tensor_descriptor_weight_loads_only_where_they_compile_to_the_copy_engi
     from fmoe2.target import INTERPRETER_TARGET, NAMED_TARGETS
 
     problem = ConfigProblem(4096, 8, 4096, 14336, 2, torch.bfloat16)  # Mixtral M=4096: a two-stage rule with tma
-    picks = {name: resolve_config(problem, ConfigMode(), NAMED_TARGETS[name])
-             for name in ("sm_80", "sm_90", "sm_100", "gfx942")}
-    assert picks["sm_90"].tma and picks["sm_90"].pdl and picks["sm_90"].path == "two_stage"
-    assert picks["sm_100"].tma and picks["sm_100"].pdl
-    # (and plain launches where the GPU has no programmatic dependent launch: the config says what runs)
-    assert not any(picks[name].tma or picks[name].pdl for name in ("sm_80", "gfx942"))
+    picks = {name: resolve_config(problem, ConfigMode(), NAMED_TARGETS[name]) for name in ("sm_80", "sm_90", "gfx942")}
+    assert picks["sm_90"].tma and picks["sm_90"].path == "two_stage"
+    assert not picks["sm_80"].tma and not picks["gfx942"].tma
     given = replace(picks["sm_90"], tma=True)
     assert not resolve_config(problem, ConfigMode(), NAMED_TARGETS["sm_80"], given).tma  # a caller's too
     assert resolve_config(problem, ConfigMode(), NAMED_TARGETS["sm_90"], given).tma
