@@ -41,7 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._validation import interpreter_requested
 from .formats import WEIGHT_FORMATS
 from .fp8 import DEFAULT_BLOCK_SHAPE, SCHEMES, weight_scale_view
-from .gemm.config import FusedMoEConfig, resolve_config
+from .gemm.config import BACKENDS, FusedMoEConfig, resolve_config
 from .gemm.fused_moe import config_problem
 from .gemm.launches import MoEProblem, decode_launch, deltas_in_stages
 from .gemm.plan import MoEPlan, build_plan
@@ -506,7 +506,8 @@ def codegen_launches(named: Target, shape, M: int, dtype: torch.dtype = torch.bf
         cfg = resolve_config(config_shape, mode, named, path=path, tuned_for=tuned_for)
         if tail_m and cfg.path == "two_stage" and not fp8 and tail_m < cfg.BLOCK_M:
             cfg = replace(cfg, TAIL_M=tail_m)
-        return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8 and not weights,
+        return cfg if deterministic else replace(cfg, tma=(cfg.tma or tma) and not fp8 and not weights
+                                                 and BACKENDS[named.backend].tensor_descriptor_weights(named),
                                                  pdl=(cfg.pdl or pdl) and named.has_grid_dependency_control)
 
     out: List[CodegenLaunch] = []

@@ -614,10 +614,19 @@ def resolve_config(problem: ConfigProblem, mode: ConfigMode, target: Target, con
     * weight-only formats (``mode.weight_format``: mxfp4, int4, int8): the tuned file's entry of the format
       (stored as it ran, :func:`tuned_section`) where there is one, else any of the above; its weight tiles then
       fitted to dequantizing in registers (:func:`fit_packed_config`, with the target's warp size).
+    * ``tma`` off where the target's backend takes no tensor-descriptor weight loads (``tensor_descriptor_weights``
+      of ``config_cuda.py`` / ``config_hip.py``: ROCm, CUDA before sm_90 or of unknown architecture), ``pdl`` off
+      where the GPU has no programmatic dependent launch (ROCm, CUDA before sm_90).
     """
     config = _resolve(problem, mode, target, config, path, tuned_for, config_dir)
     if mode.weight_only:
         config = fit_packed_config(config, target.warp_size, lora=mode.lora, weight_format=mode.weight_format)
+    # (the config says what runs: pointer loads where the target takes no descriptor loads, plain launches where it
+    # has no programmatic dependent launch; the interpreter keeps pdl, which it ignores, as callers give it)
+    if config.tma and not BACKENDS[target.backend].tensor_descriptor_weights(target):
+        config = replace(config, tma=False)
+    if config.pdl and not target.interpreter and not target.has_grid_dependency_control:
+        config = replace(config, pdl=False)
     return config
 
 

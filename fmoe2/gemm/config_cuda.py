@@ -15,9 +15,16 @@ from ..target import Target
 PIPELINE_ELEMENTS = 3 * 32768
 MIN_WIDENED_STAGES = 3
 LAUNCH_OPTIONS = ()  # FusedMoEConfig fields passed to a launch besides warps and stages
-# Whether a config's ``tma`` may load weight tiles through tensor descriptors (launches.tma_enabled): Triton lowers
-# them to the bulk tensor copy engine (UTMALDG) on sm_90 and to pointer loads on sm_80.
-TENSOR_DESCRIPTOR_WEIGHTS = True
+
+
+def tensor_descriptor_weights(target: Target) -> bool:
+    """Whether a config's ``tma`` may load weight tiles through tensor descriptors (``launches.tma_enabled``): on sm_90
+    and newer, where Triton lowers them to the bulk tensor copy engine (UTMALDG), and under the interpreter (the CPU
+    tests compare both loads). Not before sm_90: there Triton lowers a descriptor load to pointer-load code whose
+    two-stage K loops compiled to 5-7x the instructions of plain pointer loads under Triton 3.6 and 2.7-3.3x under
+    3.9, with spills at 128 x 128 tiles (sm_80; Qwen3-30B-A3B M=16 and 1024, Mixtral-8x7B M=4096; 2026-11-29). A CUDA
+    target of unknown architecture (``arch`` None outside the interpreter) takes pointer loads too."""
+    return target.interpreter or (target.cuda_arch is not None and target.cuda_arch >= 90)
 
 
 def default_rules(defaults: dict, target: Target) -> list:

@@ -14,9 +14,12 @@ from ..target import Target
 PIPELINE_ELEMENTS = 2 * 16384
 MIN_WIDENED_STAGES = 2
 LAUNCH_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")  # passed to ROCm launches only
-# Tensor-descriptor weight loads (a config's ``tma``): for gfx942 a descriptor load compiled to 2-byte loads, so ROCm
-# keeps pointer loads whatever the config says.
-TENSOR_DESCRIPTOR_WEIGHTS = False
+
+
+def tensor_descriptor_weights(target: Target) -> bool:
+    """Whether a config's ``tma`` may load weight tiles through tensor descriptors (``launches.tma_enabled``): never
+    on ROCm, where a descriptor load compiled to 2-byte loads for gfx942."""
+    return False
 
 
 def _arch(target: Target) -> str:

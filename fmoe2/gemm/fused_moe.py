@@ -440,12 +440,11 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
         # (the five pointers' alignment first, at BASE_KEY_ALIGNED, where a field added to the key cannot move it)
         key = ((sources[0] | sources[1] | sources[2] | sources[3] | sources[4]) % 16 == 0,
                activation, path, config, weights, gate_up_interleaved, swiglu_alpha, swiglu_limit, deterministic,
-               _fp8.PER_TOKEN_ACTIVATIONS,  # (fp8's experimental switch: a plan holds its quantization)
                # (written out: this runs on every call)
                x.shape, x.dtype, x.stride(), x.get_device(), w1t.shape, w1t.dtype, w1t.stride(), w1t.get_device(),
                w2t.shape, w2t.dtype, w2t.stride(), w2t.get_device(), tw.shape, tw.dtype, tw.stride(), tw.get_device(),
                ti.shape, ti.dtype, ti.stride(), ti.get_device(),
-               True)  # (the last field: the other pointers' alignment; a call with none of them has no other)
+               True)  # (the last field: the other pointers' alignment, True without any; extras follow it)
         if out is None and expert_map is None and lora is None and token_lora_ids is None and w1_bias is None \
                 and w2_bias is None and w1_scale is None and w2_scale is None:
             return key, sources
@@ -474,11 +473,13 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
                 sources[i] = tensor.data_ptr()
             else:
                 extra.append(None)
+        if w1_scale is not None:  # fp8 weights: the experimental per-token switch (a plan holds its quantization)
+            extra.append(_fp8.PER_TOKEN_ACTIVATIONS)
         aligned = 0
         for ptr in sources[5:]:
             aligned |= ptr
-        extra.append(aligned % 16 == 0)
-        return key[:-1] + tuple(extra), sources
+        extra.append(aligned % 16 == 0)  # (now the key's last field)
+        return key + tuple(extra), sources
     except (AttributeError, TypeError):  # not tensors: validation names the argument
         return None
 

@@ -176,11 +176,12 @@ TMA_MAX_BLOCK = 256  # largest tensor-descriptor block dimension (a hardware lim
 
 def tma_enabled(config: FusedMoEConfig, problem: MoEProblem, target: Target) -> bool:
     """Whether weight tiles come through tensor descriptors: ``config.tma``, for prepared 16-bit
-    weights (rows padded to 16 bytes, as descriptors need) on a backend whose rules take them
-    (``TENSOR_DESCRIPTOR_WEIGHTS`` of ``config_cuda.py`` / ``config_hip.py``). fp32 (a testing dtype) keeps
+    weights (rows padded to 16 bytes, as descriptors need) on a target whose backend's rules take them
+    (``tensor_descriptor_weights`` of ``config_cuda.py`` / ``config_hip.py``: CUDA sm_90 and newer, and the
+    interpreter of a CUDA build). fp32 (a testing dtype) keeps
     pointer loads: with descriptors a picked fp32 config needed 287 KB of shared memory on sm_90.
     fp8 and 4-bit weights keep pointer loads (descriptors not measured with them yet)."""
-    return (config.tma and BACKENDS[target.backend].TENSOR_DESCRIPTOR_WEIGHTS and problem.gate_up_interleaved
+    return (config.tma and BACKENDS[target.backend].tensor_descriptor_weights(target) and problem.gate_up_interleaved
             and problem.w1.dtype == problem.x.dtype
             and problem.x.dtype in (torch.bfloat16, torch.float16)
             and problem.w1.is_contiguous() and problem.w2.is_contiguous())

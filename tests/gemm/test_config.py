@@ -34,6 +34,26 @@ def test_cuda_defaults_give_tiles_as_tall_as_the_rows_per_expert():
     assert (pick(1024, 64, 2048, 1408, 6).BLOCK_N, pick(1024, 64, 2048, 1408, 6).num_stages) == (64, 3)
 
 
+def test_tensor_descriptor_weight_loads_only_where_they_compile_to_the_copy_engine():
+    # On sm_80 Triton lowers a descriptor load to pointer-load code whose two-stage K loops compiled to 2.7-7x the
+    # instructions of plain pointer loads (config_cuda.tensor_descriptor_weights): tma is off there, as on ROCm; the
+    # interpreter keeps it (the CPU tests compare both loads).
+    from fmoe2.gemm.config import ConfigMode, ConfigProblem, resolve_config
+    from fmoe2.target import INTERPRETER_TARGET, NAMED_TARGETS
+
+    problem = ConfigProblem(4096, 8, 4096, 14336, 2, torch.bfloat16)  # Mixtral M=4096: a two-stage rule with tma
+    picks = {name: resolve_config(problem, ConfigMode(), NAMED_TARGETS[name])
+             for name in ("sm_80", "sm_90", "sm_100", "gfx942")}
+    assert picks["sm_90"].tma and picks["sm_90"].pdl and picks["sm_90"].path == "two_stage"
+    assert picks["sm_100"].tma and picks["sm_100"].pdl
+    # (and plain launches where the GPU has no programmatic dependent launch: the config says what runs)
+    assert not any(picks[name].tma or picks[name].pdl for name in ("sm_80", "gfx942"))
+    given = replace(picks["sm_90"], tma=True)
+    assert not resolve_config(problem, ConfigMode(), NAMED_TARGETS["sm_80"], given).tma  # a caller's too
+    assert resolve_config(problem, ConfigMode(), NAMED_TARGETS["sm_90"], given).tma
+    assert resolve_config(problem, ConfigMode(), INTERPRETER_TARGET, given).tma
+
+
 def test_hip_options_only_on_hip():
     cfg = get_config(4096, 8, 4096, 14336, 2, torch.bfloat16, backend="hip", arch="gfx942")
     assert {"waves_per_eu", "matrix_instr_nonkdim"} <= set(cfg.launch_options("hip"))

@@ -66,7 +66,8 @@ def test_config_is_the_same_for_every_batch_size_but_where_tilings_were_measured
     # sm_90: a row's bits were measured not to depend on the tiling; the two-stage pick for M, without K shares.
     for M in batches:
         cfg = get_config(M, *shape, torch.bfloat16, deterministic=True, backend="cuda", cuda_arch=90)
-        assert cfg == replace(get_config(M, *shape, torch.bfloat16, backend="cuda", path="two_stage"), S2_SPLIT_K=1)
+        assert cfg == replace(get_config(M, *shape, torch.bfloat16, backend="cuda", cuda_arch=90, path="two_stage"),
+                              S2_SPLIT_K=1)
         assert cfg.S2_SPLIT_K == 1 and cfg.path == "two_stage"
     assert len({get_config(M, *shape, torch.bfloat16, deterministic=True, backend="cuda", cuda_arch=90, lora=True)
                 for M in batches}) == 1

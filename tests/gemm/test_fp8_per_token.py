@@ -129,3 +129,23 @@ def test_block_scaled_weights_keep_per_group_activations(per_token):
     plan = plan_of(x, w1, w2, tw, ti, out=out, **scales)
     assert [e for e in plan.layout.entries if e[0] == "x_scale"][0][2] == (9, 3)
     _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+@needs_fp8
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
+def test_the_switch_is_part_of_the_plan_key(monkeypatch, prepared):
+    # A call planned with the switch off must not reuse that plan once it is on (the plan holds the quantization):
+    # the same call, the cache kept, gets a plan of one scale a row.
+    x, w1, w2, tw, ti, scales, _ = _fp8_problem(7, 4, 328, 136, 2, "channel", seed=8)
+    args = (x, prepare_weights(w1, w2, **scales), None, tw, ti) if prepared else (x, w1, w2, tw, ti)
+    kwargs = {} if prepared else scales
+    out = poisoned(7, 328, DTYPE)
+    x_scale_shape = lambda: [e for e in plan_of(*args, out=out, **kwargs).layout.entries  # noqa: E731
+                             if e[0] == "x_scale"][0][2]
+    monkeypatch.setattr(fp8, "PER_TOKEN_ACTIVATIONS", False)
+    fused_moe(*args, out=out, **kwargs)
+    assert x_scale_shape() == (7, 3)
+    monkeypatch.setattr(fp8, "PER_TOKEN_ACTIVATIONS", True)
+    fused_moe(*args, out=out, **kwargs)
+    assert x_scale_shape() == (7, 1)
+    PLANS.clear()

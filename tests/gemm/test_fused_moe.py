@@ -284,6 +284,8 @@ def test_tma_config_hands_descriptors_to_every_weight_load():
         assert all((d is not None) == expect for d in descs), descs  # plain weights keep pointer loads
         hip_args = fused_kernel_launch(problem, x, sorting, "silu", cfg, gfx942).args
         assert hip_args["w13_desc"] is None and hip_args["w2_desc"] is None  # ROCm keeps pointer loads
+        sm80_args = fused_kernel_launch(problem, x, sorting, "silu", cfg, NAMED_TARGETS["sm_80"]).args
+        assert sm80_args["w13_desc"] is None and sm80_args["w2_desc"] is None  # so does sm_80 (config_cuda.py)
     # PDL: CUDA sm_90+ only (griddepcontrol), never under the interpreter or on ROCm or sm_80.
     pdl_cfg = replace(cfg, pdl=True)
     assert pdl_enabled(pdl_cfg, sm90) and not pdl_enabled(cfg, sm90)
