@@ -51,25 +51,28 @@ def time_in_graph(fn: Callable[[], object], calls_per_graph: int = 10, replays: 
 
 def time_graphs_in_turns(fns: Dict[str, Callable[[], object]], rounds: int, calls: int,
                          replays: int) -> Dict[str, float]:
-    """Median us per call of each of ``fns``, all captured first (``calls`` calls per CUDA graph), then
-    ``replays`` replays of each per round, the graphs taking turns over ``rounds`` rounds (a clock drift reaches
-    every variant alike), each round starting ``len(fns) / rounds`` variants further on (round i at variant
-    ``i * n // rounds``), so no variant holds the same place in every round: one config under two labels, one of them
-    always first, came out up to 9% apart in a run of 2026-11-29 (H200, M = 1024-4096), and still up to 8% with every
-    other round reversed (the first variant then last, the others in the middle both times); cheaper than
-    :func:`time_interleaved`, which captures again every round."""
-    graphs = {name: capture_graph(fn, calls=calls, warmup_calls=2) for name, fn in fns.items()}
-    times = {name: [] for name in fns}
-    names = list(graphs)
+    """Median us per call of each of ``fns`` (``calls`` calls per CUDA graph, ``replays`` replays of each per round),
+    the variants taking turns over ``rounds`` rounds (a clock drift reaches every variant alike), each round starting
+    ``len(fns) / rounds`` variants further on (round i at variant ``i * n // rounds``) and capturing its graphs again
+    in that order. Why both: one config under two labels came out up to 9% apart in a run of 2026-11-29 (H200,
+    M = 1024-4096, every graph captured once), and probes of 2026-11-30 (H200, one config under four labels, 4096
+    tokens) found each capture's time its own: 818 or 838-841 us at Qwen3-235B TP4 whatever the label and whatever
+    its place in the round, while the GPU ran at 1000-1650 MHz at its power limit. So each variant's median is taken
+    over ``rounds`` captures, each at another place in the capture order (its scratch buffers at other addresses)
+    and in the round."""
+    names = list(fns)
+    times = {name: [] for name in names}
     for i in range(rounds):
         start = i * len(names) // rounds
-        for name in names[start:] + names[:start]:
+        order = names[start:] + names[:start]
+        graphs = {name: capture_graph(fns[name], calls=calls, warmup_calls=2 if i == 0 else 1) for name in order}
+        for name in order:
             graph = graphs[name]
             graph.replay()  # warm
             torch.cuda.synchronize()
             times[name] += replay_times(graph, calls, replays)
-    for graph in graphs.values():
-        graph.reset()
+        for graph in graphs.values():
+            graph.reset()
     return {name: statistics.median(t) for name, t in times.items()}
 
 
