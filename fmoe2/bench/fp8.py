@@ -6,6 +6,9 @@ bf16 inputs and softmax + top-k routing. Timed in CUDA graphs (10 calls per grap
 median of replays; ``timing.py``), in one run:
 
 * fmoe2 fp8, prepared weights, on the path ``path="auto"`` picks and on each path forced;
+* with weights scaled per channel or per tensor: fmoe2 fp8 (``path="auto"``) with x quantized per token
+  (``fmoe2.fp8.PER_TOKEN_ACTIVATIONS``, the default) and per group of 128, the two timed in turns in the same
+  run, each against the reference of its own quantization (the other columns are the default's);
 * the vLLM-style fp8 baseline (``vllm_style_fused_experts_fp8``: a separate per-token-group
   quantization launch before each GEMM, seven launches), the faster of two configs with BLOCK_K 128;
 * fmoe2 bf16 on the same (unquantized) weights, prepared, ``path="auto"``;
@@ -24,13 +27,14 @@ import os
 import torch
 
 import fmoe2
+from fmoe2 import fp8
 from fmoe2.fp8 import FP8_GROUP
 from fmoe2.gemm.config import device_config_name
 from fmoe2.gemm.fused_moe import plan_of
 from fmoe2.shapes import ALL_SHAPES
 
 from .provenance import provenance_line, run_record, write_result
-from .timing import time_in_graph
+from .timing import time_graphs_in_turns, time_in_graph
 from .vllm_style import GroupedGemmConfig, vllm_style_fused_experts_fp8
 
 FP8_SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3")
@@ -57,6 +61,31 @@ def _time(fn, M: int) -> float:
 
 def _rel(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _with_x_scales(per_token: bool, fn):
+    """``fn()`` with x quantized per token (``per_token``) or per group of 128 (``fmoe2.fp8.PER_TOKEN_ACTIVATIONS``,
+    which every fp8 call's plan key holds), the setting put back after."""
+    kept = fp8.PER_TOKEN_ACTIVATIONS
+    fp8.PER_TOKEN_ACTIVATIONS = per_token
+    try:
+        return fn()
+    finally:
+        fp8.PER_TOKEN_ACTIVATIONS = kept
+
+
+def _x_scale_variants(x, prepared, tw, ti, out, q1, q2, scales, M):
+    """``{"per_token" | "per_group": (us, relative error against the reference of that quantization)}``, the two
+    timed in turns (3 rounds, each capturing again), for weights scaled per channel or per tensor."""
+    variants = {name: (lambda per_token=per_token: _with_x_scales(
+        per_token, lambda: fmoe2.fused_moe(x, prepared, None, tw, ti, out=out)))
+        for name, per_token in (("per_token", True), ("per_group", False))}
+    errors = {name: _with_x_scales(name == "per_token", lambda: _rel(
+        fmoe2.fused_moe(x, prepared, None, tw, ti), fmoe2.fused_moe_reference(x, q1, q2, tw, ti, **scales)))
+        for name in variants}
+    heavy = M >= 1024
+    times = time_graphs_in_turns(variants, 3, 3 if heavy else 10, 6 if heavy else 15)
+    return {name: (times[name], errors[name]) for name in variants}
 
 
 def bench_fp8_shape(name, shape, ms, scheme, ceilings, gen):
@@ -98,6 +127,8 @@ def bench_fp8_shape(name, shape, ms, scheme, ceilings, gen):
         t_bf16 = _time(lambda: fmoe2.fused_moe(x, prepared_bf16, None, tw, ti, out=out), M)
         err_bf16 = _rel(fmoe2.fused_moe(x, prepared_bf16, None, tw, ti), unquantized)
         t_best = min(times["fused"], times["two_stage"])
+        x_scales = (_x_scale_variants(x, prepared, tw, ti, out, q1, q2, scales, M) if scheme in ("channel", "tensor")
+                    else None)
         row = dict(shape=name, E=E, H=H, I=I, topk=topk, M=M, scheme=scheme, experts_hit=hit,
                    fmoe2_fp8_us=times["auto"], fmoe2_fp8_path=auto_path, fmoe2_fp8_fused_us=times["fused"],
                    fmoe2_fp8_two_stage_us=times["two_stage"], baseline_fp8_us=t_base,
@@ -106,13 +137,22 @@ def bench_fp8_shape(name, shape, ms, scheme, ceilings, gen):
                    floor_us=floor_us, fraction_of_floor=floor_us / times["auto"],
                    best_path_fraction_of_floor=floor_us / t_best,
                    rel_err_same_quant={k: v for k, v in errors.items()}, baseline_rel_err_same_quant=err_base,
-                   fp8_rel_err_vs_unquantized=err_vs_bf16, bf16_rel_err_vs_unquantized=err_bf16)
+                   fp8_rel_err_vs_unquantized=err_vs_bf16, bf16_rel_err_vs_unquantized=err_bf16,
+                   x_per_token=fp8.PER_TOKEN_ACTIVATIONS)
+        if x_scales:
+            row["x_scales"] = {name: dict(us=t, rel_err=e) for name, (t, e) in x_scales.items()}
         rows.append(row)
         print(f"{name:17s} M={M:6d} fp8 {times['auto']:8.1f} us ({auto_path}; fused {times['fused']:.1f}, two-stage "
               f"{times['two_stage']:.1f})  baseline {t_base:8.1f}  bf16 {t_bf16:8.1f}  x{t_base / times['auto']:.2f} vs "
               f"baseline, x{t_bf16 / times['auto']:.2f} vs bf16, floor {floor_us / times['auto']:.0%}  err "
               f"{errors['auto']:.1e} (fused {errors['fused']:.1e}, two-stage {errors['two_stage']:.1e}; base "
               f"{err_base:.1e}; vs bf16 {err_vs_bf16:.1e})", flush=True)
+        if x_scales:
+            print(f"{'':17s} x per token {x_scales['per_token'][0]:8.1f} us, per group {x_scales['per_group'][0]:8.1f} "
+                  f"(x{x_scales['per_group'][0] / x_scales['per_token'][0]:.2f}); errors "
+                  f"{x_scales['per_token'][1]:.1e} / {x_scales['per_group'][1]:.1e}", flush=True)
+            if max(e for _, e in x_scales.values()) > SAME_QUANT_TOL:
+                raise SystemExit(f"{name} M={M}: fp8 result off its reference: {x_scales}")
         # The gate is the path fused_moe picks; a forced fused path at a large I (Mixtral: 224 bf16 atomic adds per
         # output element with 128-column slices) may round more, and is reported.
         if errors["auto"] > SAME_QUANT_TOL or not all(math.isfinite(v) for v in errors.values()):
@@ -128,7 +168,10 @@ def markdown(result: dict) -> str:
              "unquantized weights. Floor: fp8 bytes of the experts hit + scales + activations over the measured copy "
              "bandwidth. Errors: relative L2 against the reference with the same quantization (fmoe2's pick; the baseline, "
              "which quantizes the intermediate before the routing weight), "
-             "and fmoe2 fp8 against the unquantized bf16 forward.", "",
+             "and fmoe2 fp8 against the unquantized bf16 forward. x: "
+             + ("quantized per token (one scale a row; per group of 128 with block-scaled weights)"
+                if result["results"] and result["results"][0].get("x_per_token") else "quantized per group of 128")
+             + ".", "",
              "| shape | M | fmoe2 fp8 | path | fused / two-stage | baseline fp8 | fmoe2 bf16 | vs baseline | vs bf16 "
              "| of floor | err | base err | err vs bf16 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -139,6 +182,17 @@ def markdown(result: dict) -> str:
             f"{r['fmoe2_bf16_us']:.1f} | {r['speedup_vs_baseline']:.2f}x | {r['speedup_vs_bf16']:.2f}x | "
             f"{r['fraction_of_floor']:.0%} | {r['rel_err_same_quant']['auto']:.1e} | "
             f"{r['baseline_rel_err_same_quant']:.1e} | {r['fp8_rel_err_vs_unquantized']:.1e} |")
+    x_rows = [r for r in result["results"] if r.get("x_scales")]
+    if x_rows:
+        lines += ["", "x quantized per token against per group of 128 (`fmoe2.fp8.PER_TOKEN_ACTIVATIONS`), `path=\"auto\"`, "
+                  "the two timed in turns in the same run (3 rounds, each capturing again), each against the reference "
+                  "of its own quantization:", "",
+                  "| shape | M | per token (us) | per group (us) | per group / per token | err per token | err per group |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in x_rows:
+            t, g = r["x_scales"]["per_token"], r["x_scales"]["per_group"]
+            lines.append(f"| {r['shape']} | {r['M']} | {t['us']:.1f} | {g['us']:.1f} | {g['us'] / t['us']:.2f}x | "
+                         f"{t['rel_err']:.1e} | {g['rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
