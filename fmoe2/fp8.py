@@ -39,8 +39,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # with weights scaled per channel or per tensor, x is quantized per token over all of H (one scale a row, as vLLM
 # does for such weights), so the gate/up GEMM scales its products once, after its K loop, instead of every
 # 128-column step. The intermediate stays quantized per group of 128 (a program of the fused kernel holds only its
-# slice of I). Block-scaled weights keep groups of 128 either way. Off by default: on an H200 it was 1.03-1.16x
-# faster at M >= 128 but 0.87-0.89x at Qwen3-30B-A3B's M=16, in the fused kernel (docs/fp8.md).
+# slice of I). Block-scaled weights keep groups of 128 either way. Off by default until the whole GPU suite has run
+# with it on since its gate/up loop stopped chaining its products (docs/fp8.md: the measurements).
 PER_TOKEN_ACTIVATIONS = os.environ.get("FMOE2_FP8_PER_TOKEN") == "1"
 FP8_GROUP = 128  # activation elements per quantization group (along K); also the kernels' K step with fp8
 DEFAULT_BLOCK_SHAPE = (128, 128)
