@@ -10,8 +10,8 @@ plus its scale layout and ``prepare_weights`` conversion (``fmoe2/fp8.py``, ``la
 * x comes quantized by the sort launch (per row and group of 128 along H, ``fmoe2/fp8.py``); BLOCK_K is one
   activation group, so each K step's product is scaled by the rows' activation scales and the weight rows'
   scales ``s[e, row // SCALE_BLOCK_N, k0 // SCALE_BLOCK_K]`` (per-K-step block scaling, on the CUDA cores); with
-  per-token activations (X_PER_ROW: one scale a row of x, weight scales constant along K) by their product,
-  computed once before the loop;
+  per-token activations (X_PER_ROW: one scale a row of x, weight scales constant along K) once after the loop
+  (tiles of 64 rows and more) or by the scales' product each step (smaller tiles; ``_gate_up_fp8``);
 * y is quantized per row and slice (one group) by the fused kernel before its down GEMM, by stage 1 where its
   slices are one group (``stage1_stores_fp8``), else by stage 2 per K step.
 
@@ -51,20 +51,22 @@ def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_
     [BLOCK_M] pointers to the rows' group scales), and each step's product is scaled by the rows' activation
     scales and the weight rows' scales ``s1_expert[orig_row // SCALE_BLOCK_N, k0 // SCALE_BLOCK_K]`` (orig_row:
     the row in the checkpoint's order, gate rows then up rows). X_PER_ROW (per-token activations, with weight
-    scales constant along K: ``fmoe2.fp8.x_group``): one scale a row of x and of w1, their products
-    computed once before the loop. Either way each step's fp8 product is a dot of its own, scaled into the fp32
-    accumulator: a chain through the dot's accumulator loses bits (Hopper's fp8 matrix instructions keep fewer
-    across a chain, which took the error against the same-quantization reference from 0.5% to 1.2-1.7% in a probe,
-    docs/fp8.md), and a per-token loop that chained its products (``max_num_imprecise_acc=BLOCK_K``) and scaled
-    once after the loop ran the fused kernel at Qwen3-30B-A3B M=16 (16-row tiles: ``mma.sync`` on fp8 upcast to
-    fp16) at 0.89x the per-group loop's speed on an H200; this one at 1.01x."""
+    scales constant along K: ``fmoe2.fp8.x_group``): one scale a row of x and of w1. Tiles of 64 rows and more
+    (CHAINED) sum the steps' products unscaled and scale once after the loop, each step's product still added to
+    the fp32 accumulator in full (``max_num_imprecise_acc=BLOCK_K``: Hopper's fp8 matrix instructions keep fewer
+    bits across a chain, which took the error against the same-quantization reference from 0.5% to 1.2-1.7% in a
+    probe, docs/fp8.md; the wgmma code then adds each step's product: one FADD an element a step). Smaller tiles
+    (``mma.sync``, fp8 upcast to fp16) add each step's product times the scales' product, computed once before the
+    loop: chained there, the fused kernel at Qwen3-30B-A3B M=16 ran at 0.89x the per-group loop's speed on an H200,
+    unchained at 1.01x."""
     offs_k = tl.arange(0, BLOCK_K)
+    CHAINED: tl.constexpr = X_PER_ROW and BLOCK_M >= 64
     if GATE_UP_INTERLEAVED:
         w_rows = w1_expert + offs_r[:, None] * stride_w1_n
         # interleaved row r is gate row r // 2 (r even) or up row r // 2 (r odd) of the checkpoint
         s_rows = s1_expert + ((offs_r // 2 + (offs_r % 2) * I) // SCALE_BLOCK_N) * stride_s1_n
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        if X_PER_ROW:  # (the scales, constant along K, once)
+        if X_PER_ROW and not CHAINED:
             scale = tl.load(xs_rows, mask=row_valid, other=0.0)[:, None] * tl.load(s_rows, mask=r_valid,
                                                                                      other=0.0)[None, :]
         for k0 in tl.range(0, H, BLOCK_K):
@@ -75,8 +77,14 @@ def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_
             if not X_PER_ROW:
                 sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
                 sb = tl.load(s_rows + (k0 // SCALE_BLOCK_K) * stride_s1_k, mask=r_valid, other=0.0)
-                scale = sa[:, None] * sb[None, :]
-            acc += tl.dot(a, tl.trans(b)) * scale
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+            elif CHAINED:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc += tl.dot(a, tl.trans(b)) * scale
+        if CHAINED:  # (the scales after the loop: not held in registers through it)
+            acc *= tl.load(xs_rows, mask=row_valid, other=0.0)[:, None] * tl.load(s_rows, mask=r_valid,
+                                                                                    other=0.0)[None, :]
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     else:
         gate_rows = w1_expert + offs_n[:, None] * stride_w1_n
@@ -85,7 +93,7 @@ def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_
         su_rows = s1_expert + ((I + offs_n) // SCALE_BLOCK_N) * stride_s1_n
         gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if X_PER_ROW:  # (the scales, constant along K, once)
+        if X_PER_ROW and not CHAINED:
             sa = tl.load(xs_rows, mask=row_valid, other=0.0)[:, None]
             gate_scale = sa * tl.load(sg_rows, mask=n_valid, other=0.0)[None, :]
             up_scale = sa * tl.load(su_rows, mask=n_valid, other=0.0)[None, :]
@@ -99,10 +107,20 @@ def _gate_up_fp8(xq_rows, xs_rows, row_valid, w1_expert, stride_w1_n, stride_w1_
             if not X_PER_ROW:
                 sa = tl.load(xs_rows + k0 // BLOCK_K, mask=row_valid, other=0.0)
                 s_step = (k0 // SCALE_BLOCK_K) * stride_s1_k
-                gate_scale = sa[:, None] * tl.load(sg_rows + s_step, mask=n_valid, other=0.0)[None, :]
-                up_scale = sa[:, None] * tl.load(su_rows + s_step, mask=n_valid, other=0.0)[None, :]
-            gate += tl.dot(a, tl.trans(bg)) * gate_scale
-            up += tl.dot(a, tl.trans(bu)) * up_scale
+                sg = tl.load(sg_rows + s_step, mask=n_valid, other=0.0)
+                su = tl.load(su_rows + s_step, mask=n_valid, other=0.0)
+                gate += tl.dot(a, tl.trans(bg)) * (sa[:, None] * sg[None, :])
+                up += tl.dot(a, tl.trans(bu)) * (sa[:, None] * su[None, :])
+            elif CHAINED:
+                gate = tl.dot(a, tl.trans(bg), gate, max_num_imprecise_acc=BLOCK_K)
+                up = tl.dot(a, tl.trans(bu), up, max_num_imprecise_acc=BLOCK_K)
+            else:
+                gate += tl.dot(a, tl.trans(bg)) * gate_scale
+                up += tl.dot(a, tl.trans(bu)) * up_scale
+        if CHAINED:
+            sa = tl.load(xs_rows, mask=row_valid, other=0.0)[:, None]
+            gate *= sa * tl.load(sg_rows, mask=n_valid, other=0.0)[None, :]
+            up *= sa * tl.load(su_rows, mask=n_valid, other=0.0)[None, :]
     return gate, up
 
 

@@ -1,14 +1,15 @@
 """Per-token activations for fp8 weights scaled per channel or per tensor (``fmoe2.fp8.PER_TOKEN_ACTIVATIONS``,
-experimental, off by default: issue 59): the sort quantizes each row of x as one group, its bits those of the torch
-mirror, and the gate/up GEMM scales its products once after the K loop; the forward matches the reference that
-quantizes x the same way, on both paths, plain and prepared, and is told apart from the per-group one."""
+off by default: issue 59): the sort quantizes each row of x as one group, its bits those of the torch mirror, and
+the gate/up GEMM scales its products once after the K loop (tiles of 64 rows and more) or each step; the forward
+matches the reference that quantizes x the same way, on both paths, plain and prepared, and is told apart from the
+per-group one."""
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 import fmoe2
-from fmoe2 import fp8, fused_moe, prepare_weights
+from fmoe2 import FusedMoEConfig, fp8, fused_moe, prepare_weights
 from fmoe2.gemm.fused_moe import PLANS, plan_of
 from fmoe2.sorting.moe_sorting import _quantize_x_rows, x_quantization_values
 from helpers import DEVICE, poisoned, rel_error
@@ -49,6 +50,28 @@ def test_per_token_forward_matches_the_per_token_reference(per_token, scheme, pa
         fused_moe(x, w1, w2, tw, ti, out=out, path=path, **scales)
         plan = plan_of(x, w1, w2, tw, ti, out=out, path=path, **scales)
     assert [e for e in plan.layout.entries if e[0] == "x_scale"][0][2] == (13, 1)  # one scale a row
+    _check(out, x, w1, w2, tw, ti, scales, unquantized)
+
+
+@needs_fp8
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "prepared"])
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("path", ["fused", "two_stage"])
+def test_both_forms_of_the_per_token_loop_match_the_reference(per_token, path, block_m, prepared):
+    # Tiles of 64 rows and more sum the steps' products unscaled and scale after the loop; smaller ones scale each
+    # step's product by the scales' product (fp8_weights._gate_up_fp8's CHAINED): both right, on gate and up rows
+    # apart (plain) and interleaved (prepared), with rows of different scales, 70 rows over 5 experts (several tiles
+    # an expert at 16 rows, partial tiles at both heights).
+    x, w1, w2, tw, ti, scales, unquantized = _fp8_problem(70, 5, 328, 136, 2, "channel", seed=11)
+    x = _outliers(x)
+    two_stage = dict(path="two_stage", S2_BLOCK_N=64, S2_BLOCK_K=128, S2_GROUP_M=1) if path == "two_stage" else {}
+    config = FusedMoEConfig(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, BLOCK_H=64, GROUP_M=1, num_warps=4,
+                            num_stages=2, **two_stage)
+    args, kwargs = ((x, prepare_weights(w1, w2, **scales), None, tw, ti), {}) if prepared else ((x, w1, w2, tw, ti),
+                                                                                                scales)
+    out = poisoned(70, 328, DTYPE)
+    fused_moe(*args, out=out, config=config, **kwargs)
+    assert plan_of(*args, out=out, config=config, **kwargs).config.BLOCK_M == block_m  # the form asked for ran
     _check(out, x, w1, w2, tw, ti, scales, unquantized)
 
 
