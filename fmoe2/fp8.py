@@ -37,10 +37,11 @@ import triton.language as tl
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # Per-token activations (issue 59; off unless FMOE2_FP8_PER_TOKEN=1 is in the environment when fmoe2 is imported):
 # with weights scaled per channel or per tensor, x is quantized per token over all of H (one scale a row, as vLLM
-# does for such weights), so the gate/up GEMM scales its products once, after its K loop, instead of every
-# 128-column step. The intermediate stays quantized per group of 128 (a program of the fused kernel holds only its
-# slice of I). Block-scaled weights keep groups of 128 either way. Off by default until the whole GPU suite has run
-# with it on since its gate/up loop stopped chaining its products (docs/fp8.md: the measurements).
+# does for such weights), so the gate/up GEMM needs one pair of scales instead of one a 128-column step (applied once
+# after the K loop, or each step at tiles under 64 rows: gemm/fp8_weights.py). The intermediate stays quantized per
+# group of 128 (a program of the fused kernel holds only its slice of I). Block-scaled weights keep groups of 128
+# either way. Off by default until the whole GPU suite has run with it on since the small tiles' loop changed
+# (docs/fp8.md: the measurements).
 PER_TOKEN_ACTIVATIONS = os.environ.get("FMOE2_FP8_PER_TOKEN") == "1"
 FP8_GROUP = 128  # activation elements per quantization group (along K); also the kernels' K step with fp8
 DEFAULT_BLOCK_SHAPE = (128, 128)

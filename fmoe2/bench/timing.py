@@ -56,7 +56,7 @@ def time_graphs_in_turns(fns: Dict[str, Callable[[], object]], rounds: int, call
     ``len(fns) / rounds`` variants further on (round i at variant ``i * n // rounds``) and capturing its graphs again
     in that order. Why both: one config under two labels came out up to 9% apart in a run of 2026-11-29 (H200,
     M = 1024-4096, every graph captured once), and probes of 2026-11-30 (H200, one config under four labels, 4096
-    tokens) found each capture's time its own: 818 or 838-841 us at Qwen3-235B TP4 whatever the label and whatever
+    tokens) found each capture's time its own: 818-827 or 837-842 us at Qwen3-235B TP4 whatever the label and whatever
     its place in the round, while the GPU ran at 1000-1650 MHz at its power limit. So each variant's median is taken
     over ``rounds`` captures, each at another place in the capture order (its scratch buffers at other addresses)
     and in the round."""
@@ -65,14 +65,18 @@ def time_graphs_in_turns(fns: Dict[str, Callable[[], object]], rounds: int, call
     for i in range(rounds):
         start = i * len(names) // rounds
         order = names[start:] + names[:start]
-        graphs = {name: capture_graph(fns[name], calls=calls, warmup_calls=2 if i == 0 else 1) for name in order}
-        for name in order:
-            graph = graphs[name]
-            graph.replay()  # warm
-            torch.cuda.synchronize()
-            times[name] += replay_times(graph, calls, replays)
-        for graph in graphs.values():
-            graph.reset()
+        graphs = {}
+        try:
+            for name in order:
+                graphs[name] = capture_graph(fns[name], calls=calls, warmup_calls=2 if i == 0 else 1)
+            for name in order:
+                graph = graphs[name]
+                graph.replay()  # warm
+                torch.cuda.synchronize()
+                times[name] += replay_times(graph, calls, replays)
+        finally:  # (a failed capture or replay leaves no graph holding its memory pool)
+            for graph in graphs.values():
+                graph.reset()
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -473,7 +473,7 @@ def call_key(hidden_states, w1, w2, topk_weights, topk_ids, activation, out, exp
                 sources[i] = tensor.data_ptr()
             else:
                 extra.append(None)
-        if w1_scale is not None:  # fp8 weights: the experimental per-token switch (a plan holds its quantization)
+        if w1_scale is not None:  # fp8 weights: the per-token switch, off by default (a plan holds its quantization)
             extra.append(_fp8.PER_TOKEN_ACTIVATIONS)
         aligned = 0
         for ptr in sources[5:]:

@@ -40,7 +40,7 @@ lora=...)``) one more program, the last, counts the tokens that have one (``num_
 the LoRA kernels read that count first, so a batch whose tokens all have -1 skips their adapter
 work. With fp8 weights (``QUANTIZE_X``, :func:`x_quantization_values`) up to
 ``MAX_X_QUANT_PROGRAMS`` programs after all others quantize ``hidden_states`` per token and group
-of 128 (``fmoe2/fp8.py``; per token over all of H with its experimental per-token activations) into a
+of 128 (``fmoe2/fp8.py``; per token over all of H with its per-token activations, off by default) into a
 buffer every GEMM program then reads: once per forward, not once per program, and no launch of its own.
 
 Zeroing programs go after the expert programs because, launched before them, they delayed the

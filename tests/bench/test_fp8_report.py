@@ -28,6 +28,10 @@ def test_the_x_scales_table_has_the_rows_that_timed_both():
     table = text.split("x quantized per token against per group")[1]
     assert "| qwen3-30b-a3b | 1024 | 90.0 | 99.0 | 1.10x | 6.0e-03 | 6.1e-03 |" in table
     assert "| qwen3-30b-a3b | 16 |" not in table
+    assert "(3 rounds, each capturing again)" in text  # (the first recorded results: no round count in the rows)
+    row = _row("qwen3-30b-a3b", 1024, {"per_token": (90.0, 6.0e-3), "per_group": (99.0, 6.1e-3)})
+    row["x_scales_rounds"] = 4
+    assert "(4 rounds, each capturing again)" in markdown(_result([row], "channel"))
 
 
 def test_a_result_without_the_x_scales_reads_as_before():
