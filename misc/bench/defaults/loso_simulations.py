@@ -58,7 +58,8 @@ def simulate(result, bounds, score="geomean", bucket="none", from_no_model=()):
         if ratio > L.BAR:
             over.append(f"{r['shape']} M={r['M']} {ratio:.3f} ({picked[0]})")
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    return f"geomean {geomean:.3f}, worst {max(ratios):.3f}, {len(over)} over" + (": " + "; ".join(over) if over else "")
+    listed = (": " + "; ".join(over)) if over else ""
+    return f"geomean {geomean:.3f}, worst {max(ratios):.3f}, {len(over)} over{listed}"
 
 
 def main():
