@@ -30,7 +30,7 @@ import json
 import math
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Callable, Collection, Dict, List, Optional
 
 from fmoe2.gemm.config import (CONFIG_DIR, ConfigMode, ConfigProblem, FusedMoEConfig, PATHS, resolve_config,
                                shape_file_name)
@@ -97,10 +97,16 @@ def _from_model(label: str) -> Optional[str]:
     return model_of(label[len(TUNED_PREFIX):].rsplit("@", 1)[0]) if label.startswith(TUNED_PREFIX) else None
 
 
-def fit_range(rows: List[dict], hold_out: Optional[str]) -> Optional[tuple]:
-    """(label, geometric mean of time over ``auto``'s) of the best candidate over ``rows`` (one range's points; the
-    points of the model ``hold_out``, every slice of it, left out, as are candidates from it); None without a
-    candidate timed at every such point."""
+def geometric_mean(ratios: List[float]) -> float:
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
+def fit_range(rows: List[dict], hold_out: Optional[str], score: Callable[[List[float]], float] = geometric_mean,
+              from_no_model: Collection[str] = ()) -> Optional[tuple]:
+    """(label, ``score`` of its times over ``auto``'s) of the best candidate over ``rows`` (one range's points; the
+    points of the model ``hold_out``, every slice of it, left out, as are candidates from it but those named in
+    ``from_no_model``, which misc/bench/defaults/loso_simulations.py uses); None without a candidate timed at every
+    such point."""
     train = [r for r in rows if model_of(r["shape"]) != hold_out and _time(r, "auto")]
     if not train:
         return None
@@ -109,14 +115,14 @@ def fit_range(rows: List[dict], hold_out: Optional[str]) -> Optional[tuple]:
         labels &= set(r["candidates"])
     best = None
     for label in sorted(labels):
-        if hold_out is not None and _from_model(label) == hold_out:
+        if hold_out is not None and label not in from_no_model and _from_model(label) == hold_out:
             continue
         times = [(_time(r, label), _time(r, "auto")) for r in train]
         if any(t is None for t, _ in times):
             continue
-        score = math.exp(sum(math.log(t / a) for t, a in times) / len(times))
-        if best is None or score < best[1]:
-            best = (label, score)
+        value = score([t / a for t, a in times])
+        if best is None or value < best[1]:
+            best = (label, value)
     return best
 
 

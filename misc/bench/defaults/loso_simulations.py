@@ -15,27 +15,7 @@ RUNS = {"2026-11-30 (captured every round)": "misc/bench/defaults/NVIDIA_H200__b
 AS_IF_FROM_NO_MODEL = {"tuned:qwen3-235b-a22b-tp4@1", "tuned:qwen3-235b-a22b-tp8@4096"}
 
 
-def fit(rows, held_out, score, from_no_model=()):
-    train = [r for r in rows if L.model_of(r["shape"]) != held_out and L._time(r, "auto")]
-    if not train:
-        return None
-    labels = set(train[0]["candidates"])
-    for r in train[1:]:
-        labels &= set(r["candidates"])
-    best = None
-    for label in sorted(labels):
-        if label not in from_no_model and L._from_model(label) == held_out:
-            continue
-        times = [(L._time(r, label), L._time(r, "auto")) for r in train]
-        if any(t is None for t, _ in times):
-            continue
-        s = score([t / a for t, a in times])
-        if best is None or s < best[1]:
-            best = (label, s)
-    return best
-
-
-SCORES = {"geomean": lambda x: math.exp(sum(map(math.log, x)) / len(x)), "worst": max,
+SCORES = {"geomean": L.geometric_mean, "worst": max,
           "90th percentile": lambda x: sorted(x)[int(0.9 * (len(x) - 1))]}
 BUCKETS = {"none": lambda r: 0, "I <= 512": lambda r: r["I"] <= 512, "I <= 1024": lambda r: r["I"] <= 1024,
            "H <= 4096": lambda r: r["H"] <= 4096, "E >= 128": lambda r: r["E"] >= 128,
@@ -50,9 +30,9 @@ def simulate(result, bounds, score="geomean", bucket="none", from_no_model=()):
         here = L.rule_range(bounds, r["tokens_per_expert"])
         in_range = [x for x in rows if L.rule_range(bounds, x["tokens_per_expert"]) == here]
         held = L.model_of(r["shape"])
-        picked = fit([x for x in in_range if key(x) == key(r)], held, SCORES[score], from_no_model)
+        picked = L.fit_range([x for x in in_range if key(x) == key(r)], held, SCORES[score], from_no_model)
         if picked is None or L._time(r, picked[0]) is None:  # (no other model in the bucket: the range's fit)
-            picked = fit(in_range, held, SCORES[score], from_no_model)
+            picked = L.fit_range(in_range, held, SCORES[score], from_no_model)
         ratio = L._time(r, picked[0]) / L._time(r, "auto")
         ratios.append(ratio)
         if ratio > L.BAR:
