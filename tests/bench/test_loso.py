@@ -91,7 +91,8 @@ def test_the_refit_never_takes_the_held_out_shapes_entries():
 
 def test_the_fit_takes_another_score_and_labels_as_if_from_no_model():
     # (misc/bench/defaults/loso_simulations.py's refits) Held out a: b's entry is best by the geometric mean
-    # (1.05 and 1.1), by the worst ratio too; a's own entry, offered as if from no model, beats it (0.95 at b, 1.0 at c).
+    # (1.05 and 1.1), by the worst ratio too; a's own entry, offered as if from no model, beats it (0.95 at b, 1.0
+    # at c).
     rows0 = [r for r in _result()["results"] if r["M"] == 1]
     assert fit_range(rows0, "a", score=max) == ("tuned:b@1", pytest.approx(1.1))
     assert fit_range(rows0, "a", from_no_model={"tuned:a@1"}) == ("tuned:a@1", pytest.approx(math.sqrt(0.95 * 1.0)))
