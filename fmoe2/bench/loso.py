@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+from statistics import geometric_mean
 from typing import Callable, Collection, Dict, List, Optional
 
 from fmoe2.gemm.config import (CONFIG_DIR, ConfigMode, ConfigProblem, FusedMoEConfig, PATHS, resolve_config,
@@ -95,10 +96,6 @@ def model_of(shape: str) -> str:
 
 def _from_model(label: str) -> Optional[str]:
     return model_of(label[len(TUNED_PREFIX):].rsplit("@", 1)[0]) if label.startswith(TUNED_PREFIX) else None
-
-
-def geometric_mean(ratios: List[float]) -> float:
-    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
 def fit_range(rows: List[dict], hold_out: Optional[str], score: Callable[[List[float]], float] = geometric_mean,

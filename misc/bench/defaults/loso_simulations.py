@@ -5,7 +5,7 @@ docs/configs.md, leave-one-shape-out). Each variant refits every held-out model'
 and candidates (fmoe2/bench/loso.py's rules otherwise) and prints the geometric mean and worst of the refit's time
 over the tuned entry's, and the points over the bar."""
 import json
-import math
+from statistics import geometric_mean
 
 from fmoe2.bench import loso as L
 
@@ -15,7 +15,7 @@ RUNS = {"2026-11-30 (captured every round)": "misc/bench/defaults/NVIDIA_H200__b
 AS_IF_FROM_NO_MODEL = {"tuned:qwen3-235b-a22b-tp4@1", "tuned:qwen3-235b-a22b-tp8@4096"}
 
 
-SCORES = {"geomean": L.geometric_mean, "worst": max,
+SCORES = {"geomean": geometric_mean, "worst": max,
           "90th percentile": lambda x: sorted(x)[int(0.9 * (len(x) - 1))]}
 BUCKETS = {"none": lambda r: 0, "I <= 512": lambda r: r["I"] <= 512, "I <= 1024": lambda r: r["I"] <= 1024,
            "H <= 4096": lambda r: r["H"] <= 4096, "E >= 128": lambda r: r["E"] >= 128,
@@ -37,7 +37,7 @@ def simulate(result, bounds, score="geomean", bucket="none", from_no_model=()):
         ratios.append(ratio)
         if ratio > L.BAR:
             over.append(f"{r['shape']} M={r['M']} {ratio:.3f} ({picked[0]})")
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    geomean = geometric_mean(ratios)
     listed = (": " + "; ".join(over)) if over else ""
     return f"geomean {geomean:.3f}, worst {max(ratios):.3f}, {len(over)} over{listed}"
 
